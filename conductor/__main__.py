@@ -1,0 +1,3 @@
+from mstar.conductor.server import main
+
+main()

@@ -1,0 +1,152 @@
+"""Request lifecycle in the conductor: seed walks, follow fragments, run the model's
+state machine at each walk end, finish, fail or cancel — and always release."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from mstar.models.base import Emit, Model, Output, RequestState, WalkSeed
+from mstar.models.graph import INPUT
+from mstar.services.links import Links
+from mstar.services.transport import Protocol, TensorReceiver
+
+from mstar.config import Placement
+from mstar.v1 import node_group_pb2 as pb
+
+log = logging.getLogger(__name__)
+K = pb.FrameKind
+
+
+@dataclass
+class Failure:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class Finished:
+    pass
+
+
+Event = Output | Failure | Finished
+
+
+@dataclass
+class ActiveRequest:
+    request_id: str
+    state: RequestState
+    kwargs_json: str
+    t0: float
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    seq: itertools.count = field(default_factory=itertools.count)
+    pending: dict[int, tuple[str, set[str]]] = field(default_factory=dict)  # walk_seq -> (walk, groups left)
+    touched: set[str] = field(default_factory=set)
+    walks_run: int = 0
+    first_output_s: float = 0.0
+    audio_seconds: float = 0.0
+    ended: bool = False
+
+
+class RequestTable:
+    """All in-flight requests and their links to the node groups."""
+
+    def __init__(self, model: Model, placement: Placement, groups: dict[str, str], protocol: Protocol):
+        self.model, self.placement = model, placement
+        self.links = Links("conductor", protocol, self._on_link_down)
+        for name, address in groups.items():
+            self.links.add(name, address)
+        self.active: dict[str, ActiveRequest] = {}
+        self._inputs_of: dict[tuple[str, str], set[str]] = {}  # (walk, group) -> input names read there
+        for walk, plan in model.plans.items():
+            for e in plan.walk.edges:
+                if e.src == INPUT:
+                    self._inputs_of.setdefault((walk, placement.host(walk, e.dst)), set()).add(e.name)
+
+    # -- walks ---------------------------------------------------------------------------
+    def start_walk(self, ar: ActiveRequest, seed: WalkSeed) -> None:
+        plan = self.model.plans.get(seed.walk)
+        if plan is None:
+            raise RuntimeError(f"the state machine chose unknown walk '{seed.walk}'")
+        unread = set(seed.inputs) - plan.input_names
+        if unread:
+            raise RuntimeError(f"the state machine gave walk '{seed.walk}' inputs it does not read: {sorted(unread)}")
+        seq = next(ar.seq)
+        groups = self.placement.fragments(seed.walk)
+        ar.pending[seq] = (seed.walk, set(groups))
+        ar.walks_run += 1
+        for g in groups:
+            names = self._inputs_of.get((seed.walk, g), set())
+            frame = pb.Frame(kind=K.FRAME_KIND_START_WALK, request_id=ar.request_id, walk=seed.walk, walk_seq=seq,
+                             iteration=-1, chunk_index=-1, parent_walk_seq=-1, request_kwargs_json=ar.kwargs_json)
+            ar.touched.add(g)
+            self.links[g].send(frame, [(n, t) for n, t in seed.inputs.items() if n in names])
+
+    def on_batch(self, batch: pb.FrameBatch, receiver: TensorReceiver, acks: list[int]) -> None:
+        for f in batch.frames:
+            tensors = [receiver.decode(t, acks) for t in f.tensors]
+            ar = self.active.get(f.request_id)
+            if ar is None or ar.ended:
+                continue  # a request that already ended: late frames are dropped
+            try:
+                self._on_frame(ar, f, batch.sender, tensors)
+            except Exception as e:  # a model bug must end the request, not the conductor
+                log.exception("request %s: conductor-side model code failed", ar.request_id)
+                self.fail(ar, grpc.StatusCode.INTERNAL, f"model '{self.model.name}' failed in the conductor: {type(e).__name__}: {e}")
+
+    def _on_frame(self, ar: ActiveRequest, f: pb.Frame, sender: str, tensors: list[torch.Tensor]) -> None:
+        if f.kind == K.FRAME_KIND_EMIT:
+            emit = Emit(f.edge, f.walk, f.node, f.iteration, f.chunk_index, tensors[0])
+            for out in self.model.postprocess(ar.state, emit):
+                if not ar.first_output_s:
+                    ar.first_output_s = time.perf_counter() - ar.t0
+                ar.audio_seconds += out.audio_seconds
+                ar.events.put_nowait(out)
+        elif f.kind == K.FRAME_KIND_FRAGMENT_DONE:
+            walk, left = ar.pending.get(f.walk_seq, ("", set()))
+            left.discard(sender)
+            if walk and not left:
+                del ar.pending[f.walk_seq]
+                ar.state.walks_done.append(walk)
+                seed = self.model.next_walk(ar.state, walk)
+                if seed is not None:
+                    self.start_walk(ar, seed)
+                elif not ar.pending:
+                    self.end(ar, Finished())
+        elif f.kind == K.FRAME_KIND_FAIL:
+            self.fail(ar, grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == f.error.code)), f.error.message)
+
+    # -- endings -------------------------------------------------------------------------
+    def fail(self, ar: ActiveRequest, code: grpc.StatusCode, message: str) -> None:
+        self.end(ar, Failure(code, message))
+
+    def end(self, ar: ActiveRequest, event: Event) -> None:
+        if ar.ended:
+            return
+        ar.ended = True
+        ar.events.put_nowait(event)
+        self.release(ar)
+
+    def release(self, ar: ActiveRequest) -> None:
+        """Tell every node group the request touched to free what it holds."""
+        ar.ended = True
+        for g in ar.touched:
+            self.links[g].send(pb.Frame(kind=K.FRAME_KIND_RELEASE, request_id=ar.request_id))
+            self.links[g].forget(ar.request_id)
+        ar.touched.clear()
+
+    def _on_link_down(self, peer: str, reason: str, request_ids: set[str]) -> None:
+        for ar in list(self.active.values()):
+            if peer in ar.touched or ar.request_id in request_ids:
+                ar.touched.discard(peer)
+                self.fail(ar, grpc.StatusCode.UNAVAILABLE, f"node group {reason}")
+
+    def connect_all(self) -> None:
+        """Open the stream to every node group now, so a dead one is noticed at once."""
+        for name in self.placement.config.group_names:
+            self.links[name].send(pb.Frame(kind=K.FRAME_KIND_UNSPECIFIED))

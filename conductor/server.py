@@ -1,0 +1,173 @@
+"""The conductor service: public Conductor API + internal WalkEvents."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import time
+import uuid
+
+import grpc
+from mstar.conductor.convert import BadField, invalid_argument_status, output_to_proto, prompt_from_request
+from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
+from mstar.models.base import InvalidArgument
+from mstar.models.registry import create_model
+from mstar.services.grpc_server import ServerBase
+from mstar.services.transport import TensorReceiver, parse_protocol
+
+from mstar.config import Placement, load_config
+from mstar.v1 import conductor_pb2 as cpb
+from mstar.v1 import conductor_pb2_grpc, node_group_pb2
+
+log = logging.getLogger("mstar.conductor")
+
+
+class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
+    def __init__(self, table: RequestTable, max_inflight: int, default_timeout_s: float):
+        self.table, self.max_inflight, self.default_timeout_s = table, max_inflight, default_timeout_s
+        self.model = table.model
+
+    async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        t0 = time.perf_counter()
+        if request.model != self.model.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{request.model}'. Served: {self.model.name}")
+        try:
+            prompt = prompt_from_request(request)
+            prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
+            state = self.model.process_prompt(prompt)
+        except (BadField, InvalidArgument) as e:
+            await context.abort_with_status(invalid_argument_status(e.field, e.description))
+        if len(self.table.active) >= self.max_inflight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"conductor is at its admission limit of {self.max_inflight} in-flight requests; retry later")
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.table.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: '{rid}' is already in flight")
+        process_s = time.perf_counter() - t0
+        ar = ActiveRequest(rid, state, json.dumps(prompt.kwargs), t0)
+        self.table.active[rid] = ar
+        timeout = request.timeout_s or self.default_timeout_s
+        counts: dict[str, int] = {}
+        try:
+            self.table.start_walk(ar, self.model.next_walk(state, None))
+            while True:
+                remaining = timeout - (time.perf_counter() - t0)
+                try:
+                    event = await asyncio.wait_for(ar.events.get(), max(remaining, 0))
+                except TimeoutError:
+                    self.table.fail(ar, grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout of {timeout:g} s")
+                    continue
+                if isinstance(event, Failure):
+                    await context.abort(event.code, event.message)
+                if isinstance(event, Finished):
+                    break
+                index = counts.get(event.name, 0)
+                counts[event.name] = index + 1
+                yield cpb.GenerateResponse(request_id=rid, chunk=output_to_proto(event, index, time.perf_counter() - t0))
+            usage = cpb.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
+                              walks=ar.walks_run, audio_seconds=ar.audio_seconds)
+            timings = cpb.Timings(first_output_s=ar.first_output_s, total_s=time.perf_counter() - t0, process_prompt_s=process_s)
+            yield cpb.GenerateResponse(request_id=rid, final=cpb.FinalEvent(usage=usage, timings=timings,
+                                                                            finish_reason=state.finish_reason))
+        finally:  # success, failure, timeout, cancel or client gone: everything is released
+            self.table.release(ar)
+            self.table.active.pop(rid, None)
+
+    async def Cancel(self, request: cpb.CancelRequest, context):
+        ar = self.table.active.get(request.request_id)
+        if ar is None or ar.ended:
+            return cpb.CancelResponse(cancelled=False)
+        self.table.fail(ar, grpc.StatusCode.CANCELLED, f"request '{request.request_id}' was cancelled")
+        return cpb.CancelResponse(cancelled=True)
+
+    async def ListModels(self, request, context):
+        m = self.model
+        info = cpb.ModelInfo(name=m.name, walks=list(m.walks),
+                             outputs=[f"{n}:{mod.name.lower()}" for n, mod in m.outputs.items()],
+                             node_groups=self.table.placement.config.group_names)
+        return cpb.ListModelsResponse(models=[info])
+
+
+class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
+    def __init__(self, table: RequestTable):
+        self.table = table
+
+    async def Report(self, request_iterator, context):
+        receiver = TensorReceiver()
+        try:
+            async for batch in request_iterator:
+                acks: list[int] = []
+                self.table.on_batch(batch, receiver, acks)
+                if acks:
+                    yield node_group_pb2.Ack(released_buffer_ids=acks)
+        finally:
+            receiver.close()
+
+
+class ConductorServer(ServerBase):
+    def __init__(self, address: str, table: RequestTable, max_inflight: int = 256, default_timeout_s: float = 300.0):
+        names = [cpb.DESCRIPTOR.services_by_name[s].full_name for s in ("Conductor", "WalkEvents")]
+        super().__init__(address, names)
+        self.table = table
+        conductor_pb2_grpc.add_ConductorServicer_to_server(ConductorServicer(table, max_inflight, default_timeout_s), self.server)
+        conductor_pb2_grpc.add_WalkEventsServicer_to_server(WalkEventsServicer(table), self.server)
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.table.connect_all()
+        await self.set_serving(True)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.set_serving(False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.table.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=1.0)
+        await self.table.links.close()
+
+
+def create_server(address: str, table: RequestTable, **kw) -> tuple[ConductorServer, int]:
+    server = ConductorServer(address, table, **kw)
+    return server, server.port
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mstar-conductor", description="Serve the conductor of a placement config.")
+    p.add_argument("--config", required=True)
+    p.add_argument("--address", default="127.0.0.1:0")
+    p.add_argument("--groups", required=True, help='JSON {"group": "host:port"} of every node group')
+    p.add_argument("--tensor-comm-protocol", default="SHM")
+    p.add_argument("--max-inflight", type=int, default=256, help="admission limit (RESOURCE_EXHAUSTED beyond)")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout, seconds")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = load_config(args.config)
+    model = create_model(config.model, config.model_kwargs)
+    table = RequestTable(model, Placement(config, model), json.loads(args.groups), parse_protocol(args.tensor_comm_protocol))
+    server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout)
+    await server.start()
+    log.info("conductor serving model '%s' on port %d", model.name, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("conductor draining")
+    await server.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [conductor] %(name)s: %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The interfaces a model author implements: Model (conductor side) and
+NodeSubmodule (node-group side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from mstar.models.graph import EMIT_TO_CLIENT, GraphError, GraphNode, Modality, Walk
+from mstar.models.plan import WalkPlan, plan_walk
+
+
+class InvalidArgument(ValueError):
+    """A request field is wrong. Becomes INVALID_ARGUMENT (gRPC) / 400 (REST)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.description = message
+
+
+@dataclass(frozen=True)
+class InputFile:
+    name: str
+    content_type: str
+    data: bytes
+
+
+@dataclass
+class Prompt:
+    """A validated request as the model sees it."""
+
+    text: str
+    files: list[InputFile]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WalkSeed:
+    """The next walk to run and its inputs (walk-input name -> tensor)."""
+
+    walk: str
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class RequestState:
+    """Per-request state the model's state machine reads and writes."""
+
+    prompt: Prompt
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "stop"
+    walks_done: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # the model's own
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A value a node sent to EMIT_TO_CLIENT."""
+
+    name: str
+    walk: str
+    node: str
+    iteration: int
+    chunk_index: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class Output:
+    """One client-bound chunk, before it becomes an OutputChunk on the wire."""
+
+    name: str
+    modality: Modality
+    text: str = ""
+    data: bytes = b""
+    tensor: torch.Tensor | None = None
+    mime_type: str = ""
+    sample_rate_hz: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    audio_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """Where a stream chunk sits in its stream (items are producer iterations)."""
+
+    index: int  # chunk number from 0
+    start: int  # stream position of the chunk's first item
+    new_from: int  # stream position of the first item not delivered in an earlier chunk
+    final: bool  # cut when the producer finished: no chunk follows
+
+
+@dataclass
+class NodeCall:
+    """One firing of a node for one request."""
+
+    request_id: str
+    walk: str
+    iteration: int  # -1 outside loops
+    inputs: dict[str, torch.Tensor]
+    kwargs: dict[str, Any]  # the request's validated model kwargs
+    state: dict[str, Any]  # this node's scratch space for this request, kept until release
+    chunk: ChunkInfo | None = None
+
+
+class NodeSubmodule:
+    """The code behind one graph node, living in a node-group service.
+
+    The runtime calls ``prepare_inputs`` and ``forward`` once per batch of calls at
+    the same node and walk, then ``check_stop`` per call when the node ends a loop.
+    """
+
+    #: run forward in a worker thread (heavy compute) instead of the event loop
+    blocking: bool = False
+    #: most calls batched into one forward
+    max_batch: int = 64
+
+    def is_blocking(self, calls: list[NodeCall]) -> bool:
+        """Whether this batch's forward must leave the event loop (a worker thread runs it)."""
+        return self.blocking
+
+    def prepare_inputs(self, calls: list[NodeCall]) -> Any:
+        return calls
+
+    def forward(self, batch: Any) -> list[dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:
+        return False
+
+    def release(self, request_id: str) -> None:
+        """Free everything held for the request (caches, pages)."""
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """Where a submodule is created."""
+
+    node: str
+    device: str
+    cache_dir: str | None
+    model_kwargs: dict[str, Any]
+
+
+class Model:
+    """A composite model: graph, walks, and the per-request walk state machine."""
+
+    name: ClassVar[str]
+    nodes: ClassVar[tuple[GraphNode, ...]]
+
+    def __init__(self, model_kwargs: dict[str, Any] | None = None):
+        self.model_kwargs = dict(model_kwargs or {})
+        self.walks: dict[str, Walk] = {w.name: w for w in self.build_walks()}
+        node_map = {n.name: n for n in self.nodes}
+        self.plans: dict[str, WalkPlan] = {name: plan_walk(w, node_map, self.walks) for name, w in self.walks.items()}
+        self.outputs: dict[str, Modality] = {}
+        for plan in self.plans.values():
+            for e in plan.emits:
+                assert e.modality is not None
+                if self.outputs.setdefault(e.name, e.modality) is not e.modality:
+                    raise GraphError(f"output '{e.name}' is emitted with two modalities")
+
+    @property
+    def node_names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    # -- graph ---------------------------------------------------------------------------
+    def build_walks(self) -> list[Walk]:
+        raise NotImplementedError
+
+    # -- conductor side ------------------------------------------------------------------
+    def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Check and normalise per-request knobs; raise InvalidArgument naming the field."""
+        if kwargs:
+            raise InvalidArgument(f"model_kwargs.{next(iter(kwargs))}", f"unknown key for model '{self.name}'")
+        return {}
+
+    def process_prompt(self, prompt: Prompt) -> RequestState:
+        raise NotImplementedError
+
+    def next_walk(self, state: RequestState, finished: str | None) -> WalkSeed | None:
+        """The state machine: the first walk (finished=None), then the one after
+        ``finished``, or None when the request is complete."""
+        raise NotImplementedError
+
+    def postprocess(self, state: RequestState, emit: Emit) -> list[Output]:
+        raise NotImplementedError
+
+    # -- node-group side -----------------------------------------------------------------
+    def create_submodule(self, ctx: NodeContext) -> NodeSubmodule:
+        raise NotImplementedError
+
+
+__all__ = ["EMIT_TO_CLIENT"]

@@ -1,0 +1,179 @@
+"""The Walk Graph: the language a model author uses to declare a composite model.
+
+A model declares graph nodes (the components) and named walks. A walk has a
+*body* (the order nodes run in: Sequential / Parallel / Loop / a node name) and
+*edges* (the values flowing between nodes). The runtime decides where nodes run;
+the graph only says what depends on what.
+
+Edge endpoints:
+- ``INPUT`` as a source: a walk input, given by the state machine when the walk
+  starts or, failing that, a value persisted by an earlier walk under that name.
+- ``EMIT_TO_CLIENT`` as a destination: streamed to the client.
+
+Inside a Loop, an edge from a node to itself or to an earlier node of the loop
+body is *carried*: its value feeds the next iteration. An edge from a loop node to
+a node after the loop fires once, when the loop ends (last value, or the
+concatenation over iterations if the Loop accumulates that edge).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+INPUT = "<input>"
+EMIT_TO_CLIENT = "<client>"
+
+
+class EngineType(enum.Enum):
+    """Which engine of the node-group service executes a node."""
+
+    STATELESS = "stateless"
+    KV_CACHE = "kv_cache"
+
+
+class Modality(enum.Enum):
+    """What a client-bound edge carries (mirrors mstar.v1.Modality)."""
+
+    TEXT = 1
+    IMAGE = 2
+    AUDIO = 3
+    ACTION = 4
+    LATENT = 5
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """A component of the model (encoder, LLM, codec...)."""
+
+    name: str
+    engine: EngineType = EngineType.STATELESS
+
+
+@dataclass(frozen=True)
+class GraphEdge:
+    """A value flowing from ``src`` to ``dst`` under ``name``.
+
+    persist: also keep the value for later walks of the same request (read there
+        through an INPUT edge of the same name into the same node).
+    modality: required when ``dst`` is EMIT_TO_CLIENT.
+    """
+
+    src: str
+    dst: str
+    name: str
+    persist: bool = False
+    modality: Modality | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return False
+
+
+# --- chunk policies for streaming edges -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FixedChunks:
+    """Chunks of ``size`` consecutive items. When the producer finishes, a partial
+    last chunk is still delivered if ``continue_after_done`` (else dropped)."""
+
+    size: int
+    continue_after_done: bool = True
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Every ``stride`` new items, the last ``window`` items (once ``window`` exist).
+    When the producer finishes, items not yet covered end in one last window."""
+
+    window: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class LeftContext:
+    """Chunks of ``chunk`` new items, each preceded by up to ``left_context`` earlier
+    items. A partial last chunk is delivered when the producer finishes."""
+
+    chunk: int
+    left_context: int
+
+
+ChunkPolicy = FixedChunks | SlidingWindow | LeftContext
+
+
+@dataclass(frozen=True)
+class PartitionTopology:
+    """How a stream crosses walks: items produced by ``src_walk`` are cut into chunks,
+    and each chunk runs one instance of ``dst_walk`` (a chunk walk) whose INPUT edge
+    named like the stream receives the chunk. Chunk walks run while the producer
+    still runs; the producer's walk ends only when all its chunk walks have ended."""
+
+    src_walk: str
+    dst_walk: str
+
+
+@dataclass(frozen=True)
+class StreamingGraphEdge(GraphEdge):
+    """An edge whose values (one per producer iteration) are buffered and cut into
+    chunks under ``policy``; ``dst`` is a node of ``topology.dst_walk``."""
+
+    policy: ChunkPolicy = field(default_factory=lambda: FixedChunks(1))
+    topology: PartitionTopology | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return True
+
+
+# --- walk bodies ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sequential:
+    steps: tuple[Step, ...]
+
+    def __init__(self, *steps: Step):
+        object.__setattr__(self, "steps", tuple(steps))
+
+
+@dataclass(frozen=True)
+class Parallel:
+    branches: tuple[Step, ...]
+
+    def __init__(self, *branches: Step):
+        object.__setattr__(self, "branches", tuple(branches))
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Runs ``body`` up to ``max_iters`` times. ``stop_node`` (a node of the body) may
+    end it early: its submodule's ``check_stop`` says so. Edges leaving the loop fire
+    when it ends; those named in ``accumulate`` carry all iterations' values
+    concatenated along dim 0 instead of the last one."""
+
+    body: Step
+    max_iters: int
+    stop_node: str | None = None
+    accumulate: frozenset[str] = frozenset()
+    name: str = "loop"
+
+
+Step = str | Sequential | Parallel | Loop
+
+
+@dataclass(frozen=True)
+class Walk:
+    name: str
+    body: Step
+    edges: tuple[GraphEdge, ...]
+
+    def __init__(self, name: str, body: Step, edges: list[GraphEdge] | tuple[GraphEdge, ...]):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "edges", tuple(edges))
+
+
+class GraphError(ValueError):
+    """A graph that cannot run; the message says what to fix."""

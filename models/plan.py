@@ -1,0 +1,201 @@
+"""Walk analysis: turns a declared Walk into the facts the runtime routes by.
+
+Validation happens here, once, at load; errors say what to change.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from mstar.models.graph import (
+    EMIT_TO_CLIENT,
+    INPUT,
+    GraphEdge,
+    GraphError,
+    GraphNode,
+    Loop,
+    Parallel,
+    Sequential,
+    Step,
+    StreamingGraphEdge,
+    Walk,
+)
+
+
+class EdgeKind(enum.Enum):
+    INPUT = "input"  # walk input -> node (constant over loop iterations)
+    DIRECT = "direct"  # same iteration (or no loop)
+    ENTRY = "entry"  # outside a loop -> loop node (constant over iterations)
+    CARRIED = "carried"  # loop node -> same-or-earlier loop node, next iteration
+    EXIT = "exit"  # loop node -> node after the loop, once at loop end
+    EMIT = "emit"  # -> client, at every firing
+    STREAM = "stream"  # -> a chunk walk, item per firing
+    PERSIST = "persist"  # -> a node of a later walk only (value is stored)
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    name: str
+    max_iters: int
+    stop_node: str | None
+    accumulate: frozenset[str]
+    nodes: tuple[str, ...]  # in body order
+
+
+@dataclass(frozen=True)
+class PlannedEdge:
+    edge: GraphEdge
+    kind: EdgeKind
+
+
+@dataclass
+class NodePlan:
+    name: str
+    order: int
+    loop: LoopPlan | None
+    in_edges: list[PlannedEdge] = field(default_factory=list)
+    out_edges: list[PlannedEdge] = field(default_factory=list)
+
+    @cached_property
+    def constant_slots(self) -> set[str]:
+        return {p.edge.name for p in self.in_edges if p.kind in (EdgeKind.INPUT, EdgeKind.ENTRY)}
+
+    @cached_property
+    def iteration_slots(self) -> set[str]:
+        """Inputs produced anew for every firing (same iteration, or loop exits)."""
+        return {p.edge.name for p in self.in_edges if p.kind in (EdgeKind.DIRECT, EdgeKind.EXIT)}
+
+    @cached_property
+    def carried_slots(self) -> set[str]:
+        return {p.edge.name for p in self.in_edges if p.kind is EdgeKind.CARRIED}
+
+
+@dataclass
+class WalkPlan:
+    walk: Walk
+    nodes: dict[str, NodePlan]
+    loops: dict[str, LoopPlan]
+
+    @property
+    def name(self) -> str:
+        return self.walk.name
+
+    @property
+    def input_names(self) -> set[str]:
+        return {e.name for e in self.walk.edges if e.src == INPUT}
+
+    @property
+    def emits(self) -> list[GraphEdge]:
+        return [e for e in self.walk.edges if e.dst == EMIT_TO_CLIENT]
+
+    @property
+    def streams(self) -> list[StreamingGraphEdge]:
+        return [e for e in self.walk.edges if isinstance(e, StreamingGraphEdge)]
+
+
+def _flatten(step: Step, walk: str, loop: Loop | None, out: list[tuple[str, Loop | None]]) -> None:
+    if isinstance(step, str):
+        out.append((step, loop))
+    elif isinstance(step, Sequential):
+        for s in step.steps:
+            _flatten(s, walk, loop, out)
+    elif isinstance(step, Parallel):
+        for s in step.branches:
+            _flatten(s, walk, loop, out)
+    elif isinstance(step, Loop):
+        if loop is not None:
+            raise GraphError(f"walk '{walk}': loop '{step.name}' is nested in loop '{loop.name}'; nested loops are not supported — flatten them into one Loop")
+        if step.max_iters < 1:
+            raise GraphError(f"walk '{walk}': loop '{step.name}' has max_iters={step.max_iters}; a loop needs max_iters >= 1 so it always exits")
+        _flatten(step.body, walk, step, out)
+    else:
+        raise GraphError(f"walk '{walk}': unknown body element {step!r}; use a node name, Sequential, Parallel or Loop")
+
+
+def plan_walk(walk: Walk, nodes: dict[str, GraphNode], walks: dict[str, Walk]) -> WalkPlan:
+    flat: list[tuple[str, Loop | None]] = []
+    _flatten(walk.body, walk.name, None, flat)
+    plans: dict[str, NodePlan] = {}
+    loops: dict[str, LoopPlan] = {}
+    for order, (name, loop) in enumerate(flat):
+        if name not in nodes:
+            raise GraphError(f"walk '{walk.name}': unknown node '{name}'. Known nodes: {', '.join(sorted(nodes))}")
+        if name in plans:
+            raise GraphError(f"walk '{walk.name}': node '{name}' appears twice in the body; a node runs once per walk (or once per loop iteration)")
+        lp = None
+        if loop is not None:
+            lp = loops.get(loop.name)
+            if lp is None:
+                members = tuple(n for n, lo in flat if lo is loop)
+                if loop.stop_node is not None and loop.stop_node not in members:
+                    raise GraphError(f"walk '{walk.name}': loop '{loop.name}' stop_node '{loop.stop_node}' is not in the loop body {list(members)}")
+                lp = LoopPlan(loop.name, loop.max_iters, loop.stop_node, frozenset(loop.accumulate), members)
+                loops[loop.name] = lp
+        plans[name] = NodePlan(name, order, lp)
+
+    seen_slots: dict[tuple[str, str], EdgeKind] = {}
+    for e in walk.edges:
+        kind = _classify(walk, e, plans, walks)
+        pe = PlannedEdge(e, kind)
+        if e.src != INPUT:
+            plans[e.src].out_edges.append(pe)
+        if e.dst in plans:
+            key = (e.dst, e.name)
+            prev = seen_slots.get(key)
+            pair = {prev, kind}
+            if prev is not None and not (kind is EdgeKind.CARRIED) ^ (prev is EdgeKind.CARRIED):
+                raise GraphError(f"walk '{walk.name}': node '{e.dst}' receives '{e.name}' from two edges; only a loop's initial value and its carried value may share a name")
+            if prev is not None and not pair & {EdgeKind.INPUT, EdgeKind.ENTRY}:
+                raise GraphError(f"walk '{walk.name}': carried input '{e.name}' of '{e.dst}' can only share its name with an initial value from outside the loop")
+            seen_slots[key] = kind
+            if kind is not EdgeKind.PERSIST:
+                plans[e.dst].in_edges.append(pe)
+    for lp in loops.values():
+        for acc in lp.accumulate:
+            if not any(p.edge.name == acc and p.kind is EdgeKind.EXIT for n in lp.nodes for p in plans[n].out_edges):
+                raise GraphError(f"walk '{walk.name}': loop '{lp.name}' accumulates '{acc}' but no edge named '{acc}' leaves the loop")
+    return WalkPlan(walk, plans, loops)
+
+
+def _classify(walk: Walk, e: GraphEdge, plans: dict[str, NodePlan], walks: dict[str, Walk]) -> EdgeKind:
+    where = f"walk '{walk.name}': edge '{e.name}' ({e.src} -> {e.dst})"
+    if e.src == INPUT:
+        if e.dst not in plans:
+            raise GraphError(f"{where}: a walk input must go to a node of the walk; '{e.dst}' does not run in it")
+        return EdgeKind.INPUT
+    if e.src not in plans:
+        raise GraphError(f"{where} starts at '{e.src}', which does not run in this walk — add it to the body or remove the edge")
+    if e.dst == EMIT_TO_CLIENT:
+        if e.modality is None:
+            raise GraphError(f"{where}: an edge to EMIT_TO_CLIENT needs a modality")
+        return EdgeKind.EMIT
+    if isinstance(e, StreamingGraphEdge):
+        topo = e.topology
+        if topo is None or topo.src_walk != walk.name:
+            raise GraphError(f"{where}: a streaming edge needs topology=PartitionTopology(src_walk='{walk.name}', dst_walk=...)")
+        dst_walk = walks.get(topo.dst_walk)
+        if dst_walk is None:
+            raise GraphError(f"{where}: PartitionTopology dst_walk '{topo.dst_walk}' is not a walk of the model. Walks: {', '.join(sorted(walks))}")
+        if not any(d.src == INPUT and d.dst == e.dst and d.name == e.name for d in dst_walk.edges):
+            raise GraphError(f"{where}: chunk walk '{topo.dst_walk}' needs an edge GraphEdge(INPUT, '{e.dst}', '{e.name}') to receive the chunks")
+        if plans[e.src].loop is None:
+            raise GraphError(f"{where}: a streaming edge must start inside a Loop (it carries one item per iteration)")
+        return EdgeKind.STREAM
+    src, dst = plans[e.src], plans.get(e.dst)
+    if dst is None:
+        if not e.persist:
+            raise GraphError(f"{where} goes to '{e.dst}', which does not run in this walk; mark it persist=True to keep the value for a later walk, or add '{e.dst}' to the body")
+        return EdgeKind.PERSIST
+    if src.loop is not None and src.loop is dst.loop:
+        return EdgeKind.DIRECT if dst.order > src.order else EdgeKind.CARRIED
+    if dst.order <= src.order:
+        raise GraphError(f"{where} goes backwards outside a loop; reorder the body so '{e.src}' runs before '{e.dst}'")
+    if src.loop is None and dst.loop is None:
+        return EdgeKind.DIRECT
+    if src.loop is None:
+        return EdgeKind.ENTRY
+    if dst.loop is None:
+        return EdgeKind.EXIT
+    raise GraphError(f"{where} connects two different loops; route it through a node between them")

@@ -1,0 +1,23 @@
+"""Every environment variable M* reads, in one typed place (prefix MSTAR_)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: prefix of shared-memory segment names; the launcher sets a per-launch one
+    shm_prefix: str
+    #: seconds a service waits for a peer before calling it unreachable
+    connect_timeout_s: float
+
+
+@lru_cache(maxsize=1)
+def settings() -> Settings:
+    return Settings(
+        shm_prefix=os.environ.get("MSTAR_SHM_PREFIX", f"mstar-{os.getpid()}-"),
+        connect_timeout_s=float(os.environ.get("MSTAR_CONNECT_TIMEOUT_S", "5")),
+    )

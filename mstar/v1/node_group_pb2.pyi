@@ -1,0 +1,83 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+
+from mstar.v1 import tensor_pb2 as _tensor_pb2
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FRAME_KIND_UNSPECIFIED: _ClassVar[FrameKind]
+    FRAME_KIND_DATA: _ClassVar[FrameKind]
+    FRAME_KIND_START_WALK: _ClassVar[FrameKind]
+    FRAME_KIND_LOOP_END: _ClassVar[FrameKind]
+    FRAME_KIND_RELEASE: _ClassVar[FrameKind]
+    FRAME_KIND_EMIT: _ClassVar[FrameKind]
+    FRAME_KIND_FRAGMENT_DONE: _ClassVar[FrameKind]
+    FRAME_KIND_FAIL: _ClassVar[FrameKind]
+FRAME_KIND_UNSPECIFIED: FrameKind
+FRAME_KIND_DATA: FrameKind
+FRAME_KIND_START_WALK: FrameKind
+FRAME_KIND_LOOP_END: FrameKind
+FRAME_KIND_RELEASE: FrameKind
+FRAME_KIND_EMIT: FrameKind
+FRAME_KIND_FRAGMENT_DONE: FrameKind
+FRAME_KIND_FAIL: FrameKind
+
+class FrameError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: int | None = ..., message: str | None = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("kind", "request_id", "walk", "walk_seq", "node", "edge", "iteration", "chunk_index", "done", "tensors", "error", "parent_walk_seq", "request_kwargs_json")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WALK_FIELD_NUMBER: _ClassVar[int]
+    WALK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARENT_WALK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    kind: FrameKind
+    request_id: str
+    walk: str
+    walk_seq: int
+    node: str
+    edge: str
+    iteration: int
+    chunk_index: int
+    done: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    error: FrameError
+    parent_walk_seq: int
+    request_kwargs_json: str
+    def __init__(self, kind: FrameKind | str | None = ..., request_id: str | None = ..., walk: str | None = ..., walk_seq: int | None = ..., node: str | None = ..., edge: str | None = ..., iteration: int | None = ..., chunk_index: int | None = ..., done: bool | None = ..., tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., error: FrameError | _Mapping | None = ..., parent_walk_seq: int | None = ..., request_kwargs_json: str | None = ...) -> None: ...
+
+class FrameBatch(_message.Message):
+    __slots__ = ("sender", "frames")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    frames: _containers.RepeatedCompositeFieldContainer[Frame]
+    def __init__(self, sender: str | None = ..., frames: _Iterable[Frame | _Mapping] | None = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("released_buffer_ids",)
+    RELEASED_BUFFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    released_buffer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, released_buffer_ids: _Iterable[int] | None = ...) -> None: ...

@@ -1,0 +1,72 @@
+"""The one place protobuf tensors and torch tensors convert into each other (inline bytes)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from mstar.v1 import tensor_pb2 as pb
+
+_TO_WIRE: dict[torch.dtype, str] = {
+    torch.bool: "BOOL", torch.uint8: "UINT8", torch.int8: "INT8", torch.int16: "INT16",
+    torch.int32: "INT32", torch.int64: "INT64", torch.float16: "FP16", torch.bfloat16: "BF16",
+    torch.float32: "FP32", torch.float64: "FP64",
+}
+_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+assert sys.byteorder == "little", "M* writes tensors little-endian and runs on little-endian hosts"
+
+
+class WireError(ValueError):
+    pass
+
+
+def wire_dtype(dtype: torch.dtype) -> str:
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        raise WireError(f"dtype {dtype} cannot travel; supported: {', '.join(_TO_WIRE.values())}") from None
+
+
+def torch_dtype(datatype: str) -> torch.dtype:
+    try:
+        return _FROM_WIRE[datatype]
+    except KeyError:
+        raise WireError(f"unknown tensor datatype '{datatype}'; supported: {', '.join(_FROM_WIRE)}") from None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's raw bytes (contiguous CPU copy only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
+
+
+def to_proto(name: str, t: torch.Tensor) -> pb.Tensor:
+    return pb.Tensor(name=name, datatype=wire_dtype(t.dtype), shape=list(t.shape), raw=bytes(tensor_bytes(t)))
+
+
+def from_bytes(buf, datatype: str, shape) -> torch.Tensor:
+    dtype = torch_dtype(datatype)
+    shape = list(shape)
+    count = 1
+    for s in shape:
+        count *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(buf) != count * itemsize:
+        raise WireError(f"tensor of shape {shape} {datatype} needs {count * itemsize} bytes, got {len(buf)}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    # bytearray makes the result writable and owned by the tensor
+    return torch.frombuffer(bytearray(buf), dtype=dtype, count=count).reshape(shape)
+
+
+def from_proto(msg: pb.Tensor) -> torch.Tensor:
+    if msg.WhichOneof("payload") != "raw":
+        raise WireError(f"tensor '{msg.name}' is not inline; it needs the transport that wrote it")
+    return from_bytes(msg.raw, msg.datatype, msg.shape)

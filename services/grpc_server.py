@@ -1,0 +1,28 @@
+"""What every M* gRPC server shares: message limits, standard health, reflection."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from mstar.services.links import CHANNEL_OPTIONS
+
+
+class ServerBase:
+    """A grpc.aio server bound to ``address`` (port 0 picks a free port) with
+    grpc.health.v1 (NOT_SERVING until ``set_serving``) and server reflection."""
+
+    def __init__(self, address: str, service_names: list[str]):
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)

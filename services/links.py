@@ -1,0 +1,143 @@
+"""Outgoing long-lived frame streams, one per peer: the mesh's wiring.
+
+A Link owns one bidirectional stream to a peer (a node group's Exchange or the
+conductor's Report). Frames queued in the same event-loop tick are coalesced into
+one FrameBatch. When the stream breaks, every request that used the link since it
+opened is reported to ``on_down`` so it can fail with a status naming the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+import torch
+from mstar.services.transport import Protocol, TensorSender, make_sender
+
+from mstar.v1 import conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 1 << 30
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+MAX_FRAMES_PER_BATCH = 512
+
+OnDown = Callable[[str, str, set[str]], None]  # (peer, reason, request ids)
+
+
+class LinkDown(Exception):
+    pass
+
+
+class Link:
+    def __init__(self, sender_name: str, peer: str, address: str, kind: str, protocol: Protocol, on_down: OnDown):
+        self.sender_name, self.peer, self.address, self.kind = sender_name, peer, address, kind
+        self.protocol = protocol
+        self._on_down = on_down
+        self._channel: grpc.aio.Channel | None = None
+        self._queue: asyncio.Queue[node_group_pb2.Frame] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._tensors: TensorSender | None = None
+        self._requests: set[str] = set()
+        self.up = False
+        self.last_error = ""
+
+    # -- sending -------------------------------------------------------------------------
+    def send(self, frame: node_group_pb2.Frame, tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
+        if self._task is None or self._task.done():
+            self._start()
+        assert self._tensors is not None
+        for name, t in tensors:
+            frame.tensors.append(self._tensors.encode(name, t))
+        if frame.request_id:
+            self._requests.add(frame.request_id)
+        self._queue.put_nowait(frame)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.discard(request_id)
+
+    def _start(self) -> None:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._tensors = make_sender(self.protocol, self.sender_name)
+        self._queue = asyncio.Queue()
+        self._requests = set()
+        self._task = asyncio.get_running_loop().create_task(self._run(self._tensors, self._queue))
+
+    async def _batches(self, queue: asyncio.Queue):
+        while True:
+            frame = await queue.get()
+            frames = [frame]
+            while not queue.empty() and len(frames) < MAX_FRAMES_PER_BATCH:
+                frames.append(queue.get_nowait())
+            yield node_group_pb2.FrameBatch(sender=self.sender_name, frames=frames)
+
+    async def _run(self, tensors: TensorSender, queue: asyncio.Queue) -> None:
+        assert self._channel is not None
+        if self.kind == "report":
+            call = conductor_pb2_grpc.WalkEventsStub(self._channel).Report(self._batches(queue))
+        else:
+            call = node_group_pb2_grpc.NodeGroupStub(self._channel).Exchange(self._batches(queue))
+        reason = "stream closed by peer"
+        try:
+            self.up = True
+            async for ack in call:
+                if ack.released_buffer_ids:
+                    tensors.release(ack.released_buffer_ids)
+        except grpc.aio.AioRpcError as e:
+            reason = f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            call.cancel()
+            tensors.close()
+            raise
+        self.up = False
+        self.last_error = reason
+        tensors.close()
+        affected, self._requests = self._requests, set()
+        while not queue.empty():
+            f = queue.get_nowait()
+            if f.request_id:
+                affected.add(f.request_id)
+        log.warning("link %s -> %s (%s) down: %s", self.sender_name, self.peer, self.address, reason)
+        self._on_down(self.peer, f"{self.peer} ({self.address}) is unreachable: {reason}", affected)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class Links:
+    """The links of one service, by peer name."""
+
+    def __init__(self, sender_name: str, protocol: Protocol, on_down: OnDown):
+        self.sender_name, self.protocol, self._on_down = sender_name, protocol, on_down
+        self._links: dict[str, Link] = {}
+
+    def add(self, peer: str, address: str, kind: str = "exchange") -> Link:
+        link = Link(self.sender_name, peer, address, kind, self.protocol, self._on_down)
+        self._links[peer] = link
+        return link
+
+    def __getitem__(self, peer: str) -> Link:
+        return self._links[peer]
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._links
+
+    def forget(self, request_id: str) -> None:
+        for link in self._links.values():
+            link.forget(request_id)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self._links.values()))

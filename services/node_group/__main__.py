@@ -1,0 +1,3 @@
+from mstar.services.node_group.server import main
+
+main()

@@ -1,0 +1,115 @@
+"""One walk instance as seen by one node group: its fragment of the walk.
+
+Pure bookkeeping, no I/O: which values have arrived, which node can fire at which
+iteration, when loops end, when the fragment is finished. Values are keyed
+(node, input name, iteration); iteration -1 means "outside loops / constant".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from mstar.models.base import ChunkInfo
+from mstar.models.plan import WalkPlan
+from mstar.services.node_group.streams import Chunker
+
+InstanceKey = tuple[str, int, int]  # (walk, walk_seq, chunk_index); chunk_index -1 unless a chunk walk
+
+
+@dataclass
+class WalkInstance:
+    key: InstanceKey
+    plan: WalkPlan
+    local: tuple[str, ...]  # nodes of this walk hosted here, in body order
+    owner_loops: frozenset[str]  # loops whose stop decision is made here
+    open_streams: int  # inbound streaming edges not yet finished
+    started: bool = False
+    chunk: ChunkInfo | None = None
+    parent: InstanceKey | None = None
+    values: dict[tuple[str, str, int], torch.Tensor] = field(default_factory=dict)
+    fired: dict[str, int] = field(default_factory=dict)
+    busy: set[str] = field(default_factory=set)
+    loop_end: dict[str, int] = field(default_factory=dict)
+    decided: dict[str, int] = field(default_factory=dict)  # owner: iterations known to continue
+    exits: dict[tuple[str, str], list[torch.Tensor]] = field(default_factory=dict)
+    chunkers: dict[tuple[str, str], Chunker] = field(default_factory=dict)  # (node, edge)
+    children: int = 0
+    flushed: set[str] = field(default_factory=set)  # loop nodes whose exits/stream ends went out
+    finished_sent: bool = False
+
+    def __post_init__(self) -> None:
+        for lp in self.plan.loops.values():
+            self.decided[lp.name] = 0
+            if lp.stop_node is None:  # only max_iters can end it: everyone knows when
+                self.loop_end[lp.name] = lp.max_iters - 1
+                self.decided[lp.name] = lp.max_iters
+
+    @property
+    def walk(self) -> str:
+        return self.key[0]
+
+    def put(self, node: str, name: str, iteration: int, value: torch.Tensor) -> None:
+        lp = self.plan.nodes[node].loop if node in self.plan.nodes else None
+        end = self.loop_end.get(lp.name) if lp is not None else None
+        if end is not None and iteration > end:
+            return  # carried value for an iteration that will not run
+        self.values[(node, name, iteration)] = value
+
+    def next_call(self, node: str) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The iteration ``node`` can fire at now, with its inputs; None if not ready."""
+        if not self.started or node in self.busy:
+            return None
+        np_ = self.plan.nodes[node]
+        lp, i = np_.loop, self.fired.get(node, 0)
+        if lp is None:
+            if i:
+                return None
+            it = -1
+        else:
+            end = self.loop_end.get(lp.name)
+            if end is not None and i > end:
+                return None
+            if i > 0 and lp.name in self.owner_loops and self.decided[lp.name] < i:
+                return None
+            it = i
+        inputs = {}
+        for name in np_.constant_slots:
+            v = self.values.get((node, name, -1))
+            if v is None:
+                return None
+            inputs[name] = v
+        for name in np_.iteration_slots:
+            v = self.values.get((node, name, it))
+            if v is None:
+                return None
+            inputs[name] = v
+        if it > 0:
+            for name in np_.carried_slots:
+                v = self.values.get((node, name, it))
+                if v is None:
+                    return None
+                inputs[name] = v
+        return it, inputs
+
+    def consume(self, node: str, iteration: int) -> None:
+        np_ = self.plan.nodes[node]
+        for name in np_.iteration_slots | np_.carried_slots:
+            self.values.pop((node, name, iteration), None)
+
+    def end_loop(self, loop: str, last: int) -> None:
+        self.loop_end[loop] = last
+        nodes = set(self.plan.loops[loop].nodes)
+        for k in [k for k in self.values if k[0] in nodes and k[2] > last]:
+            del self.values[k]
+
+    def node_finished(self, node: str) -> bool:
+        lp = self.plan.nodes[node].loop
+        if lp is None:
+            return self.fired.get(node, 0) >= 1
+        end = self.loop_end.get(lp.name)
+        return end is not None and self.fired.get(node, 0) >= end + 1
+
+    def finished(self) -> bool:
+        return (self.started and self.open_streams == 0 and self.children == 0 and not self.busy
+                and all(self.node_finished(n) for n in self.local))

@@ -1,0 +1,156 @@
+"""Where a node's outputs go: local hand-over, a peer node group, or the conductor.
+
+Colocated destinations get the tensor object itself (no serialization); remote ones
+get a DATA frame on the link to the hosting group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import torch
+from mstar.models.base import Model, NodeCall, NodeSubmodule
+from mstar.models.graph import StreamingGraphEdge
+from mstar.models.plan import EdgeKind
+from mstar.services.links import Links
+from mstar.services.node_group.fragment import InstanceKey, WalkInstance
+from mstar.services.node_group.streams import Chunker
+
+from mstar.config import Placement
+from mstar.v1 import node_group_pb2 as pb
+
+K = pb.FrameKind
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Router:
+    def __init__(self, group: str, model: Model, placement: Placement, links: Links):
+        self.group, self.model, self.placement, self.links = group, model, placement, links
+        host = placement.host
+        self.local: dict[str, tuple[str, ...]] = {}
+        self.owner_loops: dict[str, frozenset[str]] = {}
+        self.loop_peers: dict[tuple[str, str], list[str]] = {}
+        self.persisted: dict[str, set[tuple[str, str]]] = {}
+        self.streams_in: dict[str, dict[tuple[str, str], StreamingGraphEdge]] = {}
+        for walk, plan in model.plans.items():
+            self.local[walk] = tuple(n for n in plan.nodes if host(walk, n) == group)
+            self.owner_loops[walk] = frozenset(lp for lp in plan.loops if placement.loop_owner(walk, lp) == group)
+            for lp in plan.loops.values():
+                self.loop_peers[(walk, lp.name)] = sorted({host(walk, n) for n in lp.nodes} - {group})
+            self.persisted[walk] = {(e.dst, e.name) for e in plan.walk.edges if e.persist}
+            self.streams_in[walk] = {(e.dst, e.name): e for e in plan.streams
+                                     if host(e.topology.dst_walk, e.dst) == group}
+
+    def new_instance(self, key: InstanceKey) -> WalkInstance:
+        walk = key[0]
+        return WalkInstance(key, self.model.plans[walk], self.local[walk], self.owner_loops[walk],
+                            open_streams=len(self.streams_in[walk]) if key[2] < 0 else 0)
+
+    # -- in ------------------------------------------------------------------------------
+    def accept(self, req, inst: WalkInstance, node: str, edge: str, iteration: int,
+               value: torch.Tensor | None, done: bool, spawn: Callable) -> None:
+        walk = inst.walk
+        if value is not None and (node, edge) in self.persisted[walk]:
+            req.persisted[(node, edge)] = value
+        stream = self.streams_in[walk].get((node, edge))
+        if stream is not None:
+            chunker = inst.chunkers.get((node, edge))
+            if chunker is None:
+                chunker = inst.chunkers[(node, edge)] = Chunker(stream.policy)
+            chunks = chunker.push(value) if value is not None else []
+            if done:
+                chunks += chunker.finish()
+                inst.open_streams -= 1
+            spawn(req, inst, stream.topology.dst_walk, edge, chunks)
+        elif node in inst.plan.nodes and value is not None and self.placement.host(walk, node) == self.group:
+            inst.put(node, edge, iteration, value)
+
+    # -- out -----------------------------------------------------------------------------
+    def _frame(self, inst: WalkInstance, req, kind, **kw) -> pb.Frame:
+        return pb.Frame(kind=kind, request_id=req.request_id, walk=inst.walk, walk_seq=inst.key[1],
+                        chunk_index=inst.key[2], parent_walk_seq=-1, **kw)
+
+    def deliver(self, req, inst: WalkInstance, dst: str, name: str, iteration: int, value,
+                targets: list[str], done: bool = False) -> None:
+        for target in targets:
+            if target == self.group:
+                self.accept(req, inst, dst, name, iteration, value, done, self._local_spawn)
+            else:
+                frame = self._frame(inst, req, K.FRAME_KIND_DATA, node=dst, edge=name, iteration=iteration, done=done)
+                self.links[target].send(frame, [(name, value)] if value is not None else [])
+
+    def after_fire(self, req, inst: WalkInstance, node: str, call: NodeCall, outputs: dict, sub: NodeSubmodule) -> None:
+        plan, it = inst.plan, call.iteration
+        inst.fired[node] = inst.fired.get(node, 0) + 1
+        inst.consume(node, it)
+        lp = plan.nodes[node].loop
+        if lp is not None and lp.stop_node == node and lp.name in inst.owner_loops:
+            if sub.check_stop(call, outputs) or it + 1 >= lp.max_iters:
+                inst.end_loop(lp.name, it)
+                for peer in self.loop_peers[(inst.walk, lp.name)]:
+                    self.links[peer].send(self._frame(inst, req, K.FRAME_KIND_LOOP_END, node=node, iteration=it))
+            else:
+                inst.decided[lp.name] = it + 1
+        host = self.placement.host
+        for pe in plan.nodes[node].out_edges:
+            e = pe.edge
+            value = outputs.get(e.name)
+            if value is None:
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': node '{node}' returned no "
+                                    f"output '{e.name}' (edge to '{e.dst}'); it returned {sorted(outputs)}")
+            kind = pe.kind
+            if kind is EdgeKind.EMIT:
+                frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name, iteration=it)
+                self.links["conductor"].send(frame, [(e.name, value)])
+                continue
+            if kind is EdgeKind.EXIT:
+                acc = inst.exits.setdefault((node, e.name), [])
+                if e.name not in lp.accumulate:
+                    acc.clear()
+                acc.append(value)
+                continue
+            if kind is EdgeKind.STREAM:
+                target = host(e.topology.dst_walk, e.dst)
+                self.deliver(req, inst, e.dst, e.name, it, value, [target])
+                continue
+            if kind is EdgeKind.CARRIED:
+                end = inst.loop_end.get(lp.name)
+                if end is not None and it >= end:
+                    continue
+                iteration = it + 1
+            else:
+                iteration = it if kind is EdgeKind.DIRECT and lp is not None else -1
+            targets = [] if kind is EdgeKind.PERSIST else [host(inst.walk, e.dst)]
+            if e.persist:
+                targets += [g for g in self.placement.persist_targets(e.dst, e.name) if g not in targets]
+            self.deliver(req, inst, e.dst, e.name, iteration, value, targets)
+        if lp is not None:
+            self.flush_loop_outputs(req, inst, node)
+
+    def flush_loop_outputs(self, req, inst: WalkInstance, node: str) -> None:
+        """Once a loop node ran its last iteration: send its exit values and end its streams."""
+        lp = inst.plan.nodes[node].loop
+        if lp is None or node in inst.flushed or not inst.node_finished(node):
+            return
+        inst.flushed.add(node)
+        host = self.placement.host
+        for pe in inst.plan.nodes[node].out_edges:
+            e = pe.edge
+            if pe.kind is EdgeKind.EXIT:
+                values = inst.exits.pop((node, e.name), [])
+                value = torch.cat(values) if e.name in lp.accumulate else values[-1]
+                self.deliver(req, inst, e.dst, e.name, -1, value, [host(inst.walk, e.dst)])
+            elif pe.kind is EdgeKind.STREAM:
+                self.deliver(req, inst, e.dst, e.name, -1, None, [host(e.topology.dst_walk, e.dst)], done=True)
+
+    def fragment_done(self, req, inst: WalkInstance) -> None:
+        self.links["conductor"].send(self._frame(inst, req, K.FRAME_KIND_FRAGMENT_DONE))
+
+    # set by the runtime: spawning chunk walks for local stream deliveries
+    _local_spawn: Callable = None  # type: ignore[assignment]

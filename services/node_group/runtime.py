@@ -1,0 +1,285 @@
+"""The node-group runtime: frames in, ready nodes batched and executed, outputs routed.
+
+The main loop reads like the design: schedule -> execute -> update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from mstar.models.base import Model, NodeCall, NodeContext
+from mstar.models.graph import INPUT
+from mstar.services.links import Links
+from mstar.services.node_group.fragment import InstanceKey, WalkInstance
+from mstar.services.node_group.router import RequestFailed, Router
+from mstar.services.transport import Protocol, TensorReceiver
+
+from mstar.config import Placement
+from mstar.v1 import node_group_pb2 as pb
+
+log = logging.getLogger(__name__)
+K = pb.FrameKind
+MAX_TOMBSTONES = 100_000
+
+
+@dataclass
+class RequestCtx:
+    request_id: str
+    kwargs: dict | None = None
+    persisted: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    node_state: dict[str, dict] = field(default_factory=dict)
+    instances: dict[InstanceKey, WalkInstance] = field(default_factory=dict)
+
+
+@dataclass
+class Pending:
+    request_id: str
+    key: InstanceKey
+    iteration: int
+    inputs: dict[str, torch.Tensor]
+
+
+class NodeGroupRuntime:
+    def __init__(self, group: str, model: Model, placement: Placement, peers: dict[str, str],
+                 conductor: str, protocol: Protocol, device: str = "cpu", cache_dir: str | None = None):
+        self.group, self.model, self.placement = group, model, placement
+        cfg = placement.config.group(group)
+        self.submodules = {n: model.create_submodule(NodeContext(n, device, cache_dir, placement.config.model_kwargs))
+                           for n in cfg.node_names}
+        self.links = Links(group, protocol, self._on_link_down)
+        for peer, address in peers.items():
+            if peer != group:
+                self.links.add(peer, address)
+        self.links.add("conductor", conductor, kind="report")
+        self.router = Router(group, model, placement, self.links)
+        self.router._local_spawn = self._spawn_chunks
+        self.requests: dict[str, RequestCtx] = {}
+        self.released: OrderedDict[str, None] = OrderedDict()
+        self.ready: dict[tuple[str, str], deque[Pending]] = {}
+        self._order: deque[tuple[str, str]] = deque()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{group}-forward")
+        self.steps = 0
+
+    # -- frames in -----------------------------------------------------------------------
+    def on_batch(self, batch: pb.FrameBatch, receiver: TensorReceiver, acks: list[int]) -> None:
+        for frame in batch.frames:
+            if frame.kind == K.FRAME_KIND_UNSPECIFIED:
+                continue  # the hello frame that opens a stream
+            rid = frame.request_id
+            if rid in self.released:
+                for t in frame.tensors:  # still acknowledge shared-memory buffers
+                    receiver.decode(t, acks)
+                continue
+            tensors = {t.name: receiver.decode(t, acks) for t in frame.tensors}
+            try:
+                self._on_frame(frame, tensors)
+            except RequestFailed as e:
+                self.fail(rid, e.code, e.message)
+
+    def _on_frame(self, f: pb.Frame, tensors: dict[str, torch.Tensor]) -> None:
+        if f.kind == K.FRAME_KIND_RELEASE:
+            self.release(f.request_id)
+            return
+        req = self.requests.get(f.request_id) or self.requests.setdefault(f.request_id, RequestCtx(f.request_id))
+        if f.request_kwargs_json and req.kwargs is None:
+            req.kwargs = json.loads(f.request_kwargs_json)
+        inst = self._instance(req, (f.walk, f.walk_seq, -1))
+        if f.kind == K.FRAME_KIND_START_WALK:
+            self._start(req, inst, tensors)
+            for other in list(req.instances.values()):  # chunk walks spawned before the start
+                if other is not inst:
+                    self._advance(req, other)
+        elif f.kind == K.FRAME_KIND_DATA:
+            value = next(iter(tensors.values()), None)
+            self.router.accept(req, inst, f.node, f.edge, f.iteration, value, f.done, self._spawn_chunks)
+        elif f.kind == K.FRAME_KIND_LOOP_END:
+            lp = inst.plan.nodes[f.node].loop
+            assert lp is not None, f"LOOP_END for node '{f.node}' outside a loop"
+            inst.end_loop(lp.name, f.iteration)
+            for node in inst.local:
+                self.router.flush_loop_outputs(req, inst, node)
+        self._advance(req, inst)
+
+    def _instance(self, req: RequestCtx, key: InstanceKey) -> WalkInstance:
+        inst = req.instances.get(key)
+        if inst is None:
+            walk = key[0]
+            if walk not in self.model.plans:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"node group '{self.group}': unknown walk '{walk}'")
+            inst = req.instances[key] = self.router.new_instance(key)
+        return inst
+
+    def _start(self, req: RequestCtx, inst: WalkInstance, given: dict[str, torch.Tensor]) -> None:
+        for e in inst.plan.walk.edges:
+            if e.src != INPUT or e.dst not in inst.local:
+                continue
+            value = given.get(e.name)
+            if value is None:
+                value = req.persisted.get((e.dst, e.name))
+            if value is None:
+                raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"node group '{self.group}': walk '{inst.walk}' input '{e.name}' for node '{e.dst}' "
+                                    f"was neither given when the walk started nor persisted by an earlier walk")
+            inst.put(e.dst, e.name, -1, value)
+        inst.started = True
+
+    def _spawn_chunks(self, req: RequestCtx, parent: WalkInstance, dst_walk: str, edge: str, chunks) -> None:
+        for info, tensor in chunks:
+            key = (dst_walk, parent.key[1], info.index)
+            child = req.instances[key] = self.router.new_instance(key)
+            child.chunk, child.parent = info, parent.key
+            parent.children += 1
+            self._start(req, child, {edge: tensor})
+            self._advance(req, child)
+
+    # -- schedule ------------------------------------------------------------------------
+    def _advance(self, req: RequestCtx, inst: WalkInstance) -> None:
+        """Queue every node of the instance that can fire; report the fragment when done."""
+        if req.kwargs is None:
+            return  # START_WALK (with the request's kwargs) has not arrived yet
+        for node in inst.local:
+            nxt = inst.next_call(node)
+            if nxt is not None:
+                inst.busy.add(node)
+                key = (inst.walk, node)
+                q = self.ready.get(key)
+                if q is None:
+                    q = self.ready[key] = deque()
+                    self._order.append(key)
+                q.append(Pending(req.request_id, inst.key, nxt[0], nxt[1]))
+                self._wake.set()
+        if inst.finished() and req.instances.get(inst.key) is inst:
+            del req.instances[inst.key]
+            if inst.parent is not None:
+                parent = req.instances[inst.parent]
+                parent.children -= 1
+                self._advance(req, parent)
+            else:
+                self.router.fragment_done(req, inst)
+
+    def _next_batch(self) -> tuple[tuple[str, str], list[Pending]] | None:
+        for _ in range(len(self._order)):
+            key = self._order[0]
+            self._order.rotate(-1)  # round-robin over (walk, node) for fairness
+            q = self.ready[key]
+            if q:
+                n = min(len(q), self.submodules[key[1]].max_batch)
+                return key, [q.popleft() for _ in range(n)]
+        return None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            picked = self._next_batch()
+            if picked is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            (walk, node), batch = picked
+            calls, live = self._calls(walk, node, batch)
+            if calls:
+                outputs = await self._execute(loop, node, calls)
+                self._update(node, live, calls, outputs)
+                self.steps += 1
+            await asyncio.sleep(0)  # let arriving frames in between steps
+
+    # -- execute -------------------------------------------------------------------------
+    def _calls(self, walk: str, node: str, batch: list[Pending]):
+        calls, live = [], []
+        for p in batch:
+            req = self.requests.get(p.request_id)
+            inst = req.instances.get(p.key) if req else None
+            if inst is None:
+                continue  # released while queued
+            calls.append(NodeCall(p.request_id, walk, p.iteration, p.inputs, req.kwargs or {},
+                                  req.node_state.setdefault(node, {}), inst.chunk))
+            live.append((req, inst))
+        return calls, live
+
+    async def _execute(self, loop, node: str, calls: list[NodeCall]) -> list:
+        sub = self.submodules[node]
+
+        def forward(batch_calls):
+            return sub.forward(sub.prepare_inputs(batch_calls))
+
+        async def run(batch_calls):
+            if sub.is_blocking(batch_calls):
+                return await loop.run_in_executor(self._executor, forward, batch_calls)
+            return forward(batch_calls)
+
+        try:
+            return await run(calls)
+        except Exception as e:
+            if len(calls) == 1:
+                return [e]
+        results = []  # isolate the failing request(s): one call at a time
+        for c in calls:
+            try:
+                results.append((await run([c]))[0])
+            except Exception as e:
+                results.append(e)
+        return results
+
+    # -- update --------------------------------------------------------------------------
+    def _update(self, node: str, live, calls: list[NodeCall], outputs: list) -> None:
+        sub = self.submodules[node]
+        for (req, inst), call, out in zip(live, calls, outputs, strict=True):
+            if req.request_id not in self.requests:
+                continue
+            inst.busy.discard(node)
+            if isinstance(out, Exception):
+                log.exception("node '%s' failed for request %s", node, req.request_id, exc_info=out)
+                self.fail(req.request_id, grpc.StatusCode.INTERNAL,
+                          f"node group '{self.group}': node '{node}' failed: {type(out).__name__}: {out}")
+                continue
+            try:
+                self.router.after_fire(req, inst, node, call, out, sub)
+            except RequestFailed as e:
+                self.fail(req.request_id, e.code, e.message)
+                continue
+            self._advance(req, inst)
+
+    # -- endings -------------------------------------------------------------------------
+    def fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        if request_id in self.requests:
+            self.links["conductor"].send(pb.Frame(kind=K.FRAME_KIND_FAIL, request_id=request_id,
+                                                  error=pb.FrameError(code=code.value[0], message=message)))
+        self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.released[request_id] = None
+        if len(self.released) > MAX_TOMBSTONES:
+            self.released.popitem(last=False)
+        if self.requests.pop(request_id, None) is not None:
+            for sub in self.submodules.values():
+                sub.release(request_id)
+        self.links.forget(request_id)
+
+    def _on_link_down(self, peer: str, reason: str, request_ids: set[str]) -> None:
+        if peer == "conductor":
+            for rid in list(self.requests):
+                self.release(rid)
+            return
+        for rid in request_ids:
+            self.fail(rid, grpc.StatusCode.UNAVAILABLE, f"node group '{self.group}': peer node group {reason}")
+
+    @property
+    def pending_requests(self) -> int:
+        return len(self.requests)
+
+    async def close(self) -> None:
+        await self.links.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def is_local(self, walk: str, node: str) -> bool:
+        return self.placement.host(walk, node) == self.group
+
+

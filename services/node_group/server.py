@@ -1,0 +1,105 @@
+"""The node-group gRPC service: one process per YAML node group."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+
+from mstar.models.registry import create_model
+from mstar.services.grpc_server import ServerBase
+from mstar.services.node_group.runtime import NodeGroupRuntime
+from mstar.services.transport import TensorReceiver, parse_protocol
+
+from mstar.config import Placement, load_config
+from mstar.v1 import node_group_pb2, node_group_pb2_grpc
+
+log = logging.getLogger("mstar.node_group")
+
+
+class NodeGroupServicer(node_group_pb2_grpc.NodeGroupServicer):
+    def __init__(self, runtime: NodeGroupRuntime):
+        self.runtime = runtime
+
+    async def Exchange(self, request_iterator, context):
+        receiver = TensorReceiver()
+        try:
+            async for batch in request_iterator:
+                acks: list[int] = []
+                self.runtime.on_batch(batch, receiver, acks)
+                if acks:
+                    yield node_group_pb2.Ack(released_buffer_ids=acks)
+        finally:
+            receiver.close()
+
+
+class NodeGroupServer(ServerBase):
+    def __init__(self, address: str, runtime: NodeGroupRuntime):
+        super().__init__(address, [node_group_pb2.DESCRIPTOR.services_by_name["NodeGroup"].full_name])
+        self.runtime = runtime
+        node_group_pb2_grpc.add_NodeGroupServicer_to_server(NodeGroupServicer(runtime), self.server)
+        self._loop_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._loop_task = asyncio.get_running_loop().create_task(self.runtime.run())
+        await self.set_serving(True)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.set_serving(False)
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.runtime.pending_requests and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=1.0)
+        if self._loop_task:
+            self._loop_task.cancel()
+        await self.runtime.close()
+
+
+def create_server(address: str, runtime: NodeGroupRuntime) -> tuple[NodeGroupServer, int]:
+    server = NodeGroupServer(address, runtime)
+    return server, server.port
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mstar-node-group", description="Serve one node group of a placement config.")
+    p.add_argument("--config", required=True, help="placement YAML")
+    p.add_argument("--group", required=True, help="node group name from the config")
+    p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind")
+    p.add_argument("--peers", default="{}", help='JSON {"group": "host:port"} of every node group')
+    p.add_argument("--conductor", required=True, help="conductor host:port (for walk events)")
+    p.add_argument("--tensor-comm-protocol", default="SHM", help="SHM (same host) or TCP (inline bytes)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = load_config(args.config)
+    model = create_model(config.model, config.model_kwargs)
+    placement = Placement(config, model)
+    runtime = NodeGroupRuntime(args.group, model, placement, json.loads(args.peers), args.conductor,
+                               parse_protocol(args.tensor_comm_protocol), args.device, args.cache_dir)
+    server, port = create_server(args.address, runtime)
+    await server.start()
+    log.info("node group '%s' serving %s on port %d", args.group, ", ".join(runtime.submodules), port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("node group '%s' draining", args.group)
+    await server.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s [{args.group}] %(name)s: %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

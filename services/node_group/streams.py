@@ -1,0 +1,77 @@
+"""Chunkers: cut a streaming edge's items into chunks under its chunk policy.
+
+Items are the producer's per-iteration values; a chunk is the concatenation of
+consecutive items along dim 0. Only the items a future chunk can still need are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from mstar.models.base import ChunkInfo
+from mstar.models.graph import ChunkPolicy, FixedChunks, LeftContext, SlidingWindow
+
+Chunk = tuple[ChunkInfo, torch.Tensor]
+
+
+class Chunker:
+    def __init__(self, policy: ChunkPolicy):
+        self.policy = policy
+        self.items: list[torch.Tensor] = []
+        self.base = 0  # stream position of items[0]
+        self.count = 0  # items received
+        self.covered = 0  # items delivered as "new" in some chunk
+        self.chunks = 0
+        self.closed = False
+
+    def _emit(self, start: int, end: int, final: bool) -> Chunk:
+        info = ChunkInfo(index=self.chunks, start=start, new_from=self.covered, final=final)
+        self.chunks += 1
+        self.covered = end
+        return info, torch.cat(self.items[start - self.base : end - self.base])
+
+    def _trim(self, keep_from: int) -> None:
+        if keep_from > self.base:
+            del self.items[: keep_from - self.base]
+            self.base = keep_from
+
+    def push(self, item: torch.Tensor) -> list[Chunk]:
+        if self.closed:
+            raise RuntimeError("item after the stream ended")
+        self.items.append(item)
+        self.count += 1
+        return self._ready(final=False)
+
+    def finish(self) -> list[Chunk]:
+        self.closed = True
+        return self._ready(final=True)
+
+    def _ready(self, final: bool) -> list[Chunk]:
+        p, out = self.policy, []
+        if isinstance(p, FixedChunks):
+            while self.count - self.covered >= p.size:
+                start = self.covered
+                out.append(self._emit(start, start + p.size, final=False))
+            if final and self.count > self.covered and p.continue_after_done:
+                out.append(self._emit(self.covered, self.count, final=True))
+            self._trim(self.covered)
+        elif isinstance(p, SlidingWindow):
+            # first window when `window` items exist, then every `stride` new items
+            while self.count >= p.window and self.count - self.covered >= (p.stride if self.chunks else p.window):
+                end = self.covered + (p.stride if self.chunks else p.window)
+                out.append(self._emit(max(0, end - p.window), end, final=False))
+            if final and self.count > self.covered:
+                out.append(self._emit(max(0, self.count - p.window), self.count, final=True))
+            self._trim(max(0, self.covered - p.window))
+        elif isinstance(p, LeftContext):
+            while self.count - self.covered >= p.chunk:
+                start = self.covered
+                out.append(self._emit(max(0, start - p.left_context), start + p.chunk, final=False))
+            if final and self.count > self.covered:
+                out.append(self._emit(max(0, self.covered - p.left_context), self.count, final=True))
+            self._trim(max(0, self.covered - p.left_context))
+        else:
+            raise TypeError(f"unknown chunk policy {p!r}")
+        if final and out:
+            info, t = out[-1]
+            out[-1] = (ChunkInfo(info.index, info.start, info.new_from, True), t)
+        return out
