@@ -1,13 +1,11 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
+from mstar.v1 import node_group_pb2 as _node_group_pb2
+from mstar.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-
-from mstar.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -34,7 +32,7 @@ class InputFile(_message.Message):
     name: str
     content_type: str
     data: bytes
-    def __init__(self, name: str | None = ..., content_type: str | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., content_type: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "text", "files", "model_kwargs_json", "request_id", "timeout_s")
@@ -50,7 +48,7 @@ class GenerateRequest(_message.Message):
     model_kwargs_json: str
     request_id: str
     timeout_s: float
-    def __init__(self, model: str | None = ..., text: str | None = ..., files: _Iterable[InputFile | _Mapping] | None = ..., model_kwargs_json: str | None = ..., request_id: str | None = ..., timeout_s: float | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., files: _Optional[_Iterable[_Union[InputFile, _Mapping]]] = ..., model_kwargs_json: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class OutputChunk(_message.Message):
     __slots__ = ("name", "modality", "text", "data", "tensor", "mime_type", "sample_rate_hz", "index", "elapsed_s", "token_ids")
@@ -74,7 +72,7 @@ class OutputChunk(_message.Message):
     index: int
     elapsed_s: float
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: str | None = ..., modality: Modality | str | None = ..., text: str | None = ..., data: bytes | None = ..., tensor: _tensor_pb2.Tensor | _Mapping | None = ..., mime_type: str | None = ..., sample_rate_hz: int | None = ..., index: int | None = ..., elapsed_s: float | None = ..., token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., text: _Optional[str] = ..., data: _Optional[bytes] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mime_type: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., index: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "walks", "audio_seconds")
@@ -86,7 +84,7 @@ class Usage(_message.Message):
     completion_tokens: int
     walks: int
     audio_seconds: float
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., walks: int | None = ..., audio_seconds: float | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., walks: _Optional[int] = ..., audio_seconds: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("first_output_s", "total_s", "process_prompt_s")
@@ -96,7 +94,7 @@ class Timings(_message.Message):
     first_output_s: float
     total_s: float
     process_prompt_s: float
-    def __init__(self, first_output_s: float | None = ..., total_s: float | None = ..., process_prompt_s: float | None = ...) -> None: ...
+    def __init__(self, first_output_s: _Optional[float] = ..., total_s: _Optional[float] = ..., process_prompt_s: _Optional[float] = ...) -> None: ...
 
 class FinalEvent(_message.Message):
     __slots__ = ("usage", "timings", "finish_reason")
@@ -106,7 +104,7 @@ class FinalEvent(_message.Message):
     usage: Usage
     timings: Timings
     finish_reason: str
-    def __init__(self, usage: Usage | _Mapping | None = ..., timings: Timings | _Mapping | None = ..., finish_reason: str | None = ...) -> None: ...
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "final")
@@ -116,19 +114,19 @@ class GenerateResponse(_message.Message):
     request_id: str
     chunk: OutputChunk
     final: FinalEvent
-    def __init__(self, request_id: str | None = ..., chunk: OutputChunk | _Mapping | None = ..., final: FinalEvent | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[OutputChunk, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("cancelled",)
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
-    def __init__(self, cancelled: bool | None = ...) -> None: ...
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -144,10 +142,10 @@ class ModelInfo(_message.Message):
     walks: _containers.RepeatedScalarFieldContainer[str]
     outputs: _containers.RepeatedScalarFieldContainer[str]
     node_groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: str | None = ..., walks: _Iterable[str] | None = ..., outputs: _Iterable[str] | None = ..., node_groups: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., walks: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ..., node_groups: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Iterable[ModelInfo | _Mapping] | None = ...) -> None: ...
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

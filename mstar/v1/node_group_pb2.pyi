@@ -1,13 +1,10 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
+from mstar.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-
-from mstar.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -36,7 +33,7 @@ class FrameError(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: int | None = ..., message: str | None = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("kind", "request_id", "walk", "walk_seq", "node", "edge", "iteration", "chunk_index", "done", "tensors", "error", "parent_walk_seq", "request_kwargs_json")
@@ -66,7 +63,7 @@ class Frame(_message.Message):
     error: FrameError
     parent_walk_seq: int
     request_kwargs_json: str
-    def __init__(self, kind: FrameKind | str | None = ..., request_id: str | None = ..., walk: str | None = ..., walk_seq: int | None = ..., node: str | None = ..., edge: str | None = ..., iteration: int | None = ..., chunk_index: int | None = ..., done: bool | None = ..., tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., error: FrameError | _Mapping | None = ..., parent_walk_seq: int | None = ..., request_kwargs_json: str | None = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., walk: _Optional[str] = ..., walk_seq: _Optional[int] = ..., node: _Optional[str] = ..., edge: _Optional[str] = ..., iteration: _Optional[int] = ..., chunk_index: _Optional[int] = ..., done: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error: _Optional[_Union[FrameError, _Mapping]] = ..., parent_walk_seq: _Optional[int] = ..., request_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class FrameBatch(_message.Message):
     __slots__ = ("sender", "frames")
@@ -74,10 +71,10 @@ class FrameBatch(_message.Message):
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     sender: str
     frames: _containers.RepeatedCompositeFieldContainer[Frame]
-    def __init__(self, sender: str | None = ..., frames: _Iterable[Frame | _Mapping] | None = ...) -> None: ...
+    def __init__(self, sender: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("released_buffer_ids",)
     RELEASED_BUFFER_IDS_FIELD_NUMBER: _ClassVar[int]
     released_buffer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, released_buffer_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, released_buffer_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -18,7 +16,7 @@ class SharedMemoryRef(_message.Message):
     offset: int
     nbytes: int
     buffer_id: int
-    def __init__(self, segment: str | None = ..., offset: int | None = ..., nbytes: int | None = ..., buffer_id: int | None = ...) -> None: ...
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., buffer_id: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "datatype", "shape", "raw", "shm")
@@ -32,4 +30,4 @@ class Tensor(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     raw: bytes
     shm: SharedMemoryRef
-    def __init__(self, name: str | None = ..., datatype: str | None = ..., shape: _Iterable[int] | None = ..., raw: bytes | None = ..., shm: SharedMemoryRef | _Mapping | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...

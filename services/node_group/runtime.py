@@ -66,7 +66,8 @@ class NodeGroupRuntime:
         self._order: deque[tuple[str, str]] = deque()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{group}-forward")
-        self.steps = 0
+        self.steps = 0  # batches executed
+        self.calls = 0  # node calls executed (calls / steps = mean batch size)
 
     # -- frames in -----------------------------------------------------------------------
     def on_batch(self, batch: pb.FrameBatch, receiver: TensorReceiver, acks: list[int]) -> None:
@@ -189,6 +190,7 @@ class NodeGroupRuntime:
                 outputs = await self._execute(loop, node, calls)
                 self._update(node, live, calls, outputs)
                 self.steps += 1
+                self.calls += len(calls)
             await asyncio.sleep(0)  # let arriving frames in between steps
 
     # -- execute -------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""Command line: ``mstar serve <model>``, ``mstar-serve --config FILE``, ``mstar models``,
+``mstar check-config FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mstar.config import ConfigError, Placement, load_config
+from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
+from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
+from mstar.services.transport import parse_protocol
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="placement YAML (default: the model's configs/default.yaml)")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="conductor gRPC port (0: any free port)")
+    p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1")
+    p.add_argument("--cache-dir", help="directory holding model weights (Hugging Face layout or HF cache)")
+    p.add_argument("--tensor-comm-protocol", default="SHM", help="SHM (same host, default), TCP (inline bytes) or RDMA")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout in seconds")
+
+
+def _launch(args: argparse.Namespace, config_path: Path) -> int:
+    try:
+        parse_protocol(args.tensor_comm_protocol)
+        config = load_config(config_path)
+        gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else None
+        if gpus is not None:
+            for g in config.node_groups:
+                bad = [r for r in g.ranks if r >= len(gpus)]
+                if bad:
+                    raise ConfigError(f"node group '{g.name}': ranks {bad} but --gpus lists only {len(gpus)} device(s)")
+        opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, args.cache_dir,
+                             args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout)
+        return run_forever(Mesh(config, opts))
+    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError) as e:
+        print(f"mstar: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="mstar", description="M*: serve composite multimodal models as a gRPC mesh")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="serve a model: node groups, conductor and REST gateway")
+    serve.add_argument("model", help=f"model name ({', '.join(known_models())})")
+    _serve_args(serve)
+    sub.add_parser("models", help="list registered models")
+    check = sub.add_parser("check-config", help="validate a placement YAML against its model")
+    check.add_argument("config")
+    args = p.parse_args(argv)
+    if args.cmd == "models":
+        print("\n".join(known_models()))
+        sys.exit(0)
+    if args.cmd == "check-config":
+        try:
+            cfg = load_config(args.config)
+            placement = Placement(cfg, create_model(cfg.model, cfg.model_kwargs))
+        except (ConfigError, UnknownModel, ValueError) as e:
+            print(f"mstar: {e}", file=sys.stderr)
+            sys.exit(2)
+        for walk in placement.model.walks:
+            print(f"walk {walk}: node groups {', '.join(placement.fragments(walk))}")
+        sys.exit(0)
+    try:
+        config_path = Path(args.config) if args.config else default_config_path(args.model)
+        if args.config and load_config(config_path).model != args.model:
+            raise ConfigError(f"{config_path} serves model '{load_config(config_path).model}', not '{args.model}'")
+    except (ConfigError, UnknownModel, FileNotFoundError) as e:
+        print(f"mstar: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_launch(args, config_path))
+
+
+def serve_main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="mstar-serve", description="Serve the model of a placement YAML")
+    _serve_args(p)
+    args = p.parse_args(argv)
+    if not args.config:
+        p.error("--config is required")
+    sys.exit(_launch(args, Path(args.config)))

@@ -1,0 +1,68 @@
+"""An in-process mesh: every node group and the conductor as real gRPC servers on
+loopback inside one event loop. For tests and benchmarks that need the real wire
+without process start-up costs; `mstar.launcher` runs the same servers as processes."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from dataclasses import dataclass
+
+import grpc
+
+from mstar.conductor.requests import RequestTable
+from mstar.conductor.server import ConductorServer
+from mstar.config import Placement, PlacementConfig
+from mstar.models.registry import create_model
+from mstar.services.links import CHANNEL_OPTIONS
+from mstar.services.node_group.runtime import NodeGroupRuntime
+from mstar.services.node_group.server import NodeGroupServer
+from mstar.services.transport import Protocol
+from mstar.v1 import conductor_pb2_grpc
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class InProcessMesh:
+    config: PlacementConfig
+    groups: dict[str, NodeGroupServer]
+    conductor: ConductorServer
+    address: str
+    channel: grpc.aio.Channel
+
+    @property
+    def stub(self) -> conductor_pb2_grpc.ConductorStub:
+        return conductor_pb2_grpc.ConductorStub(self.channel)
+
+    def runtime(self, group: str) -> NodeGroupRuntime:
+        return self.groups[group].runtime
+
+
+@contextlib.asynccontextmanager
+async def inprocess_mesh(config: PlacementConfig, protocol: Protocol = Protocol.TCP, **conductor_kw):
+    addrs = {g: f"127.0.0.1:{_port()}" for g in config.group_names}
+    conductor_address = f"127.0.0.1:{_port()}"
+    groups: dict[str, NodeGroupServer] = {}
+    conductor = None
+    try:
+        for g in config.group_names:
+            model = create_model(config.model, config.model_kwargs)
+            runtime = NodeGroupRuntime(g, model, Placement(config, model), addrs, conductor_address, protocol)
+            groups[g] = NodeGroupServer(addrs[g], runtime)
+            await groups[g].start()
+        model = create_model(config.model, config.model_kwargs)
+        table = RequestTable(model, Placement(config, model), addrs, protocol)
+        conductor = ConductorServer(conductor_address, table, **conductor_kw)
+        await conductor.start()
+        async with grpc.aio.insecure_channel(conductor_address, options=CHANNEL_OPTIONS) as channel:
+            yield InProcessMesh(config, groups, conductor, conductor_address, channel)
+    finally:
+        if conductor is not None:
+            await conductor.stop(grace_s=0.5)
+        for server in groups.values():
+            await server.stop(grace_s=0.5)

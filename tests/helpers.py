@@ -1,0 +1,55 @@
+"""Shared test helpers (importable as `helpers`: tests/ is on sys.path)."""
+
+import asyncio
+import json
+
+import grpc
+
+from mstar.v1 import conductor_pb2 as cpb
+
+
+def run(coro, timeout: float = 60):
+    """Run a coroutine with a hard timeout (pytest-asyncio is not used)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def request(text: str, request_id: str = "", timeout_s: float = 0, **kwargs) -> cpb.GenerateRequest:
+    return cpb.GenerateRequest(model="toy", text=text, model_kwargs_json=json.dumps(kwargs),
+                               request_id=request_id, timeout_s=timeout_s)
+
+
+async def collect(stub, req, timeout: float = 20):
+    """All chunks by name, and the final event; raises grpc.aio.AioRpcError on failure."""
+    out: dict[str, list] = {}
+    final = None
+    async for r in stub.Generate(req, timeout=timeout):
+        if r.HasField("chunk"):
+            out.setdefault(r.chunk.name, []).append(r.chunk)
+        else:
+            final = r.final
+    return out, final
+
+
+def text_of(chunks) -> str:
+    return "".join(c.text for c in chunks)
+
+
+def rot13(s: str) -> str:
+    return s.translate(str.maketrans(
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        "nopqrstuvwxyzabcdefghijklmNOPQRSTUVWXYZABCDEFGHIJKLM"))
+
+
+__all__ = ["run", "request", "collect", "text_of", "rot13", "grpc"]
+
+
+async def wait_released(mesh, timeout=5.0, dead=()):
+    """Every live node group and the conductor hold nothing for any request."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    live = [s for g, s in mesh.groups.items() if g not in dead]
+    while asyncio.get_running_loop().time() < deadline:
+        if not mesh.conductor.table.active and all(not s.runtime.requests for s in live):
+            return
+        await asyncio.sleep(0.02)
+    held = {g: list(s.runtime.requests) for g, s in mesh.groups.items()}
+    raise AssertionError(f"requests still held: conductor={list(mesh.conductor.table.active)} groups={held}")

@@ -1,0 +1,90 @@
+"""A loop split over two node groups: the owner decides the end, the other group
+learns it by LOOP_END; carried values, exits and persisted values cross groups."""
+
+import pytest
+import torch
+from helpers import collect, run, wait_released
+from mstar.models.base import Model, NodeSubmodule, Output, RequestState, WalkSeed
+from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Loop, Modality, Sequential, Walk
+from mstar.models.registry import register
+from mstar.services.transport import Protocol
+
+from mstar import wire
+from mstar.config import parse_config
+from mstar.testing import inprocess_mesh
+from mstar.v1 import conductor_pb2 as cpb
+
+
+class Fn(NodeSubmodule):
+    def __init__(self, fn, stop=None):
+        self.fn, self.stop = fn, stop
+
+    def forward(self, calls):
+        return [self.fn(c) for c in calls]
+
+    def check_stop(self, call, outputs):
+        return self.stop(call, outputs) if self.stop else False
+
+
+def a_fn(c):
+    ball = c.inputs.get("ball")
+    x = torch.tensor([1]) if ball is None else ball - 1000 + 1
+    return {"ball": x, "tick": x}
+
+
+NODES = {
+    "src": Fn(lambda c: {"start": c.inputs["n"]}),
+    "a": None,
+    "b": Fn(lambda c: {"ball": c.inputs["ball"] + 1000, "trail": c.inputs["ball"], "tock": c.inputs["ball"]}),
+    "c": Fn(lambda c: {"total": c.inputs["trail"].sum().reshape(1)}),
+}
+
+
+class PingPong(Model):
+    name = "pingpong"
+    nodes = tuple(GraphNode(n) for n in NODES)
+
+    def build_walks(self):
+        return [
+            Walk("prep", "src", [GraphEdge(INPUT, "src", "n"), GraphEdge("src", "a", "start", persist=True)]),
+            Walk("play", Sequential(Loop(Sequential("a", "b"), 50, stop_node="a", accumulate=frozenset({"trail"})), "c"), [
+                GraphEdge(INPUT, "a", "start"), GraphEdge("a", "b", "ball"), GraphEdge("b", "a", "ball"),
+                GraphEdge("b", "c", "trail"), GraphEdge("a", EMIT_TO_CLIENT, "tick", modality=Modality.LATENT),
+                GraphEdge("b", EMIT_TO_CLIENT, "tock", modality=Modality.LATENT),
+                GraphEdge("c", EMIT_TO_CLIENT, "total", modality=Modality.LATENT)]),
+        ]
+
+    def process_prompt(self, prompt):
+        return RequestState(prompt, data={"n": int(prompt.text)})
+
+    def next_walk(self, state, finished):
+        return {None: WalkSeed("prep", {"n": torch.tensor([state.data["n"]])}), "prep": WalkSeed("play")}.get(finished)
+
+    def postprocess(self, state, emit):
+        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
+
+    def create_submodule(self, ctx):
+        if ctx.node == "a":
+            return Fn(a_fn, stop=lambda c, o: int(o["ball"]) >= int(c.inputs["start"]))
+        return NODES[ctx.node]
+
+
+register("pingpong", f"{__name__}:PingPong")
+
+
+@pytest.mark.parametrize("protocol", [Protocol.TCP, Protocol.SHM])
+def test_loop_split_over_two_groups(protocol):
+    cfg = parse_config({"model": "pingpong", "node_groups": [
+        {"name": "left", "node_names": ["src", "a", "c"]}, {"name": "right", "node_names": ["b"]}]})
+
+    async def go():
+        async with inprocess_mesh(cfg, protocol) as mesh:
+            for n in (1, 7):
+                out, final = await collect(mesh.stub, cpb.GenerateRequest(model="pingpong", text=str(n)))
+                vals = {k: [wire.from_proto(c.tensor).item() for c in v] for k, v in out.items()}
+                assert vals["tick"] == list(range(1, n + 1))
+                assert vals["tock"] == list(range(1, n + 1))  # the far side ran exactly the owner's iterations
+                assert vals["total"] == [n * (n + 1) // 2]  # accumulated exit crossed back
+                assert final.usage.walks == 2
+            await wait_released(mesh)
+    run(go())

@@ -1,0 +1,185 @@
+"""The mesh end to end inside one process: real gRPC servers on loopback."""
+
+import asyncio
+import glob
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from helpers import collect, request, rot13, run, text_of, wait_released
+from mstar.services.transport import Protocol
+
+from mstar.env import settings
+from mstar.testing import inprocess_mesh
+from mstar.v1 import conductor_pb2 as cpb
+
+PROMPT = "Hello, World. How are you?"
+
+
+def check_toy(out, final, prompt, max_tokens=256):
+    n = min(len(prompt.encode()), max_tokens)
+    gen = rot13(prompt)[:n]
+    assert text_of(out["text"]) == gen
+    assert text_of(out["caption"]) == prompt[:n]
+    audio = b"".join(c.data for c in out["audio"])
+    assert len(audio) == n * 160 * 2  # every byte covered exactly once by the sliding window
+    levels = [c.tensor for c in out["levels"]]
+    assert len(levels) == -(-n // 4)  # fixed chunks of 4, partial last one kept
+    summary = out["summary"][0].tensor
+    assert list(summary.shape) == [2]
+    assert final.usage.prompt_tokens == len(prompt.encode()) and final.usage.completion_tokens == n
+    assert [c.index for c in out["text"]] == list(range(n))
+
+
+@pytest.mark.parametrize("config,protocol", [("default", Protocol.TCP), ("default", Protocol.SHM),
+                                             ("colocated", Protocol.TCP)])
+def test_toy_outputs_same_for_every_placement(toy_config, config, protocol):
+    async def go():
+        async with inprocess_mesh(toy_config(config), protocol) as mesh:
+            for prompt in [PROMPT, "x", "exactly8"]:
+                out, final = await collect(mesh.stub, request(prompt))
+                check_toy(out, final, prompt)
+                assert final.finish_reason == "stop"
+            await wait_released(mesh)
+        assert glob.glob(f"/dev/shm/{settings().shm_prefix}*") == []
+    run(go())
+
+
+def test_levels_and_summary_values(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config()) as mesh:
+            out, _ = await collect(mesh.stub, request("abcdefghij"))
+            gen = [ord(c) for c in rot13("abcdefghij")]
+            from mstar import wire
+            levels = [wire.from_proto(c.tensor).item() for c in out["levels"]]
+            chunks = [gen[0:4], gen[4:8], gen[8:10]]
+            assert levels == pytest.approx([sum(c) / len(c) for c in chunks])
+            assert wire.from_proto(out["summary"][0].tensor).tolist() == [10, sum(gen)]
+    run(go())
+
+
+def test_max_tokens_and_stop(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config()) as mesh:
+            out, final = await collect(mesh.stub, request(PROMPT, max_tokens=5))
+            check_toy(out, final, PROMPT, max_tokens=5)
+            assert final.finish_reason == "length"
+            out, final = await collect(mesh.stub, request(PROMPT, stop=rot13(".")))
+            assert text_of(out["text"]) == rot13("Hello, World.")
+    run(go())
+
+
+def test_concurrent_requests_are_batched_and_correct(toy_config):
+    prompts = [f"request number {i} says {'hi' * i}" for i in range(16)]
+
+    async def go():
+        async with inprocess_mesh(toy_config(), Protocol.SHM) as mesh:
+            results = await asyncio.gather(*(collect(mesh.stub, request(p)) for p in prompts))
+            for p, (out, final) in zip(prompts, results, strict=True):
+                check_toy(out, final, p)
+            dec = mesh.runtime("decoder")
+            assert dec.calls > dec.steps, "concurrent decode loops should share batches"
+            await wait_released(mesh)
+    run(go())
+
+
+def _field(err: grpc.aio.AioRpcError) -> str:
+    status = rpc_status.from_call(err)
+    detail = error_details_pb2.BadRequest()
+    status.details[0].Unpack(detail)
+    return detail.field_violations[0].field
+
+
+def test_bad_input_is_invalid_argument_naming_the_field(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config()) as mesh:
+            cases = [
+                (cpb.GenerateRequest(model="toy", text="hi", model_kwargs_json="{not json"), "model_kwargs_json"),
+                (cpb.GenerateRequest(model="toy", text="hi", model_kwargs_json="[1]"), "model_kwargs_json"),
+                (request("hi", max_tokens=0), "model_kwargs.max_tokens"),
+                (request("hi", max_tokens="5"), "model_kwargs.max_tokens"),
+                (request("hi", bogus=1), "model_kwargs.bogus"),
+                (request(""), "text"),
+                (request("hi", timeout_s=-1), "timeout_s"),
+            ]
+            for req, field in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(mesh.stub, req)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+                assert _field(e.value) == field
+                assert field in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(mesh.stub, cpb.GenerateRequest(model="tyo", text="hi"))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "tyo" in e.value.details()
+    run(go())
+
+
+def test_node_failure_fails_only_that_request(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config()) as mesh:
+            bad = collect(mesh.stub, request(PROMPT, fail_at=3))
+            good = collect(mesh.stub, request(PROMPT))
+            res = await asyncio.gather(bad, good, return_exceptions=True)
+            assert isinstance(res[0], grpc.aio.AioRpcError) and res[0].code() == grpc.StatusCode.INTERNAL
+            assert "decoder" in res[0].details() and "iteration 3" in res[0].details()
+            check_toy(*res[1], PROMPT)
+            await wait_released(mesh)
+    run(go())
+
+
+def test_cancel_and_timeout_and_disconnect_release_everything(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config()) as mesh:
+            # Cancel RPC
+            call = mesh.stub.Generate(request(PROMPT, request_id="c1", delay_ms=20), timeout=10)
+            first = await call.read()
+            assert first.chunk.name == "text"
+            assert (await mesh.stub.Cancel(cpb.CancelRequest(request_id="c1"), timeout=5)).cancelled
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+            assert not (await mesh.stub.Cancel(cpb.CancelRequest(request_id="nope"), timeout=5)).cancelled
+            await wait_released(mesh)
+            # per-request timeout
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(mesh.stub, request(PROMPT, timeout_s=0.2, delay_ms=50))
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await wait_released(mesh)
+            # client goes away mid-stream
+            call = mesh.stub.Generate(request(PROMPT, delay_ms=20), timeout=10)
+            await call.read()
+            call.cancel()
+            await wait_released(mesh)
+    run(go())
+
+
+def test_admission_limit_is_resource_exhausted(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config(), max_inflight=1) as mesh:
+            slow = mesh.stub.Generate(request(PROMPT, delay_ms=20), timeout=10)
+            await slow.read()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(mesh.stub, request("hi"))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "admission" in e.value.details()
+            slow.cancel()
+            await wait_released(mesh)
+            out, _ = await collect(mesh.stub, request("hi"))  # room again
+            assert text_of(out["text"]) == "uv"
+    run(go())
+
+
+def test_dead_node_group_fails_request_naming_it(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config(), Protocol.SHM) as mesh:
+            call = mesh.stub.Generate(request(PROMPT * 4, delay_ms=10), timeout=10)
+            await call.read()
+            await mesh.groups["audio"].server.stop(grace=None)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "audio" in e.value.details()
+            await wait_released(mesh, dead=("audio",))
+    run(go())

@@ -1,0 +1,52 @@
+"""Wire conversion and the shared-memory transport."""
+
+import glob
+
+import pytest
+import torch
+from mstar.services.transport import TensorReceiver
+from mstar.services.transport.shm import SHM_MIN_BYTES, ShmSender
+
+from mstar import wire
+from mstar.env import settings
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                   torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_inline_roundtrip_every_dtype(dtype):
+    t = (torch.randn(3, 5) * 10).to(dtype)
+    msg = wire.to_proto("x", t)
+    assert msg.datatype == wire.wire_dtype(dtype) and list(msg.shape) == [3, 5]
+    back = wire.from_proto(msg)
+    assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_inline_rejects_wrong_byte_count():
+    msg = wire.to_proto("x", torch.zeros(4))
+    msg.shape[:] = [5]
+    with pytest.raises(wire.WireError, match="needs 20 bytes, got 16"):
+        wire.from_proto(msg)
+
+
+def test_shm_roundtrip_pools_and_frees():
+    sender, receiver = ShmSender("test"), TensorReceiver()
+    big = torch.randn(SHM_MIN_BYTES // 2, dtype=torch.float32)  # 128 KiB
+    acks: list[int] = []
+    msg = sender.encode("big", big)
+    assert msg.WhichOneof("payload") == "shm"
+    assert torch.equal(receiver.decode(msg, acks), big)
+    assert acks == [msg.shm.buffer_id]
+    sender.release(acks)
+    msg2 = sender.encode("big", big * 2)
+    assert msg2.shm.segment == msg.shm.segment  # the acknowledged buffer is reused
+    assert torch.equal(receiver.decode(msg2, []), big * 2)
+    msg3 = sender.encode("big", big * 3)  # msg2 not acknowledged: a second segment
+    assert msg3.shm.segment != msg.shm.segment
+    small = sender.encode("small", torch.arange(10))
+    assert small.WhichOneof("payload") == "raw"
+    names = sender.segment_names
+    assert all(glob.glob(f"/dev/shm/{n}") for n in names)
+    sender.close()
+    receiver.close()
+    assert not any(glob.glob(f"/dev/shm/{n}") for n in names)
+    assert all(n.startswith(settings().shm_prefix) for n in names)
