@@ -13,7 +13,7 @@ proto:
 	$(PYTHON) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
 test:
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest --durations=15
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -47,6 +47,7 @@ class ActiveRequest:
     seq: itertools.count = field(default_factory=itertools.count)
     pending: dict[int, tuple[str, set[str]]] = field(default_factory=dict)  # walk_seq -> (walk, groups left)
     touched: set[str] = field(default_factory=set)
+    persisted_to: dict[str, int] = field(default_factory=dict)  # persisted values sent to each group
     walks_run: int = 0
     first_output_s: float = 0.0
     audio_seconds: float = 0.0
@@ -83,7 +84,8 @@ class RequestTable:
         for g in groups:
             names = self._inputs_of.get((seed.walk, g), set())
             frame = pb.Frame(kind=K.FRAME_KIND_START_WALK, request_id=ar.request_id, walk=seed.walk, walk_seq=seq,
-                             iteration=-1, chunk_index=-1, parent_walk_seq=-1, request_kwargs_json=ar.kwargs_json)
+                             iteration=-1, chunk_index=-1, parent_walk_seq=-1, request_kwargs_json=ar.kwargs_json,
+                             persisted_expected=ar.persisted_to.get(g, 0))
             ar.touched.add(g)
             self.links[g].send(frame, [(n, t) for n, t in seed.inputs.items() if n in names])
 
@@ -108,6 +110,8 @@ class RequestTable:
                 ar.audio_seconds += out.audio_seconds
                 ar.events.put_nowait(out)
         elif f.kind == K.FRAME_KIND_FRAGMENT_DONE:
+            for g, n in f.persisted_sent.items():
+                ar.persisted_to[g] = ar.persisted_to.get(g, 0) + n
             walk, left = ar.pending.get(f.walk_seq, ("", set()))
             left.discard(sender)
             if walk and not left:

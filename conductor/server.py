@@ -15,7 +15,7 @@ from mstar.conductor.convert import BadField, invalid_argument_status, output_to
 from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
 from mstar.models.base import InvalidArgument
 from mstar.models.registry import create_model
-from mstar.services.grpc_server import ServerBase
+from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.transport import TensorReceiver, parse_protocol
 
 from mstar.config import Placement, load_config
@@ -60,18 +60,30 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 except TimeoutError:
                     self.table.fail(ar, grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout of {timeout:g} s")
                     continue
-                if isinstance(event, Failure):
-                    await context.abort(event.code, event.message)
-                if isinstance(event, Finished):
+                # everything that queued up while the last message was in flight goes in this one
+                chunks, end = [], None
+                while True:
+                    if isinstance(event, Failure | Finished):
+                        end = event
+                        break
+                    index = counts.get(event.name, 0)
+                    counts[event.name] = index + 1
+                    chunks.append(output_to_proto(event, index, time.perf_counter() - t0))
+                    if ar.events.empty():
+                        break
+                    event = ar.events.get_nowait()
+                if isinstance(end, Failure):
+                    if chunks:
+                        yield cpb.GenerateResponse(request_id=rid, chunks=chunks)
+                    await context.abort(end.code, end.message)
+                if isinstance(end, Finished):
                     break
-                index = counts.get(event.name, 0)
-                counts[event.name] = index + 1
-                yield cpb.GenerateResponse(request_id=rid, chunk=output_to_proto(event, index, time.perf_counter() - t0))
+                yield cpb.GenerateResponse(request_id=rid, chunks=chunks)
             usage = cpb.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
                               walks=ar.walks_run, audio_seconds=ar.audio_seconds)
             timings = cpb.Timings(first_output_s=ar.first_output_s, total_s=time.perf_counter() - t0, process_prompt_s=process_s)
-            yield cpb.GenerateResponse(request_id=rid, final=cpb.FinalEvent(usage=usage, timings=timings,
-                                                                            finish_reason=state.finish_reason))
+            yield cpb.GenerateResponse(request_id=rid, chunks=chunks, final=cpb.FinalEvent(
+                usage=usage, timings=timings, finish_reason=state.finish_reason))
         finally:  # success, failure, timeout, cancel or client gone: everything is released
             self.table.release(ar)
             self.table.active.pop(rid, None)
@@ -166,7 +178,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [conductor] %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    run_service(serve(args))
 
 
 if __name__ == "__main__":

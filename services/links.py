@@ -53,7 +53,7 @@ class Link:
             self._start()
         assert self._tensors is not None
         for name, t in tensors:
-            frame.tensors.append(self._tensors.encode(name, t))
+            self._tensors.encode_into(frame.tensors.add(), name, t)
         if frame.request_id:
             self._requests.add(frame.request_id)
         self._queue.put_nowait(frame)
@@ -72,6 +72,8 @@ class Link:
     async def _batches(self, queue: asyncio.Queue):
         while True:
             frame = await queue.get()
+            if queue.empty():
+                await asyncio.sleep(0)  # let the producer finish its step: more frames per message
             frames = [frame]
             while not queue.empty() and len(frames) < MAX_FRAMES_PER_BATCH:
                 frames.append(queue.get_nowait())

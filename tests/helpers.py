@@ -23,9 +23,9 @@ async def collect(stub, req, timeout: float = 20):
     out: dict[str, list] = {}
     final = None
     async for r in stub.Generate(req, timeout=timeout):
-        if r.HasField("chunk"):
-            out.setdefault(r.chunk.name, []).append(r.chunk)
-        else:
+        for c in r.chunks:
+            out.setdefault(c.name, []).append(c)
+        if r.HasField("final"):
             final = r.final
     return out, final
 

@@ -68,7 +68,7 @@ def toy_cfg(groups, **extra):
     return parse_config({"model": "toy", "node_groups": groups, **extra})
 
 
-ALL = ["rot", "keep", "combine", "decoder", "tally", "synth", "meter", "captioner"]
+ALL = ["rot", "keep", "combine", "decoder", "tally", "synth", "meter", "captioner", "blob_source", "blob_sink"]
 
 
 @pytest.mark.parametrize("data,message", [
@@ -85,10 +85,11 @@ def test_config_shape_errors(data, message):
 
 @pytest.mark.parametrize("groups,message", [
     ([{"node_names": ALL + ["ghost"]}], "unknown node 'ghost'"),
-    ([{"node_names": ALL[:-1]}], "node 'captioner' is not placed"),
+    ([{"node_names": ALL[:-1]}], "node 'blob_sink' is not placed"),
     ([{"node_names": ALL}, {"node_names": ["rot"]}], "placed in several groups"),
     ([{"node_names": ALL, "graph_walks": ["nope"]}], "unknown walk 'nope'"),
-    ([{"node_names": ALL[:-1]}, {"node_names": ["captioner"], "graph_walks": ["speak"]}], "node 'captioner' is not placed"),
+    ([{"node_names": [n for n in ALL if n != "captioner"]}, {"node_names": ["captioner"], "graph_walks": ["speak"]}],
+     "node 'captioner' is not placed"),
 ])
 def test_placement_errors(groups, message):
     with pytest.raises(ConfigError, match=message):
@@ -123,8 +124,8 @@ def test_split_loop_needs_same_iteration_feed():
 
 
 def test_same_node_in_two_groups_by_walk():
-    groups = [{"name": "enc", "node_names": ["rot", "keep", "combine"]},
-              {"name": "dec", "node_names": ["decoder", "tally", "synth", "meter", "captioner"]}]
+    groups = [{"name": "enc", "node_names": ["rot", "keep", "combine", "blob_source"]},
+              {"name": "dec", "node_names": ["decoder", "tally", "synth", "meter", "captioner", "blob_sink"]}]
     p = Placement(toy_cfg(groups), create_model("toy"))
     assert p.fragments("encode") == ["enc"] and p.fragments("generate") == ["dec"]
     assert p.persist_targets("decoder", "text_state") == ["dec"]

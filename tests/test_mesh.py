@@ -134,7 +134,7 @@ def test_cancel_and_timeout_and_disconnect_release_everything(toy_config):
             # Cancel RPC
             call = mesh.stub.Generate(request(PROMPT, request_id="c1", delay_ms=20), timeout=10)
             first = await call.read()
-            assert first.chunk.name == "text"
+            assert first.chunks[0].name == "text"
             assert (await mesh.stub.Cancel(cpb.CancelRequest(request_id="c1"), timeout=5)).cancelled
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 while await call.read() is not grpc.aio.EOF:
@@ -182,4 +182,18 @@ def test_dead_node_group_fails_request_naming_it(toy_config):
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "audio" in e.value.details()
             await wait_released(mesh, dead=("audio",))
+    run(go())
+
+
+@pytest.mark.parametrize("protocol", [Protocol.TCP, Protocol.SHM])
+def test_relay_moves_large_tensors_between_groups(toy_config, protocol):
+    async def go():
+        async with inprocess_mesh(toy_config(), protocol) as mesh:
+            from mstar import wire
+            for n in (10, 3 << 20):
+                out, _ = await collect(mesh.stub, request("x", relay_bytes=n))
+                size, seconds, _ = wire.from_proto(out["transfer"][0].tensor).tolist()
+                assert size == n and 0 < seconds < 5
+            await wait_released(mesh)
+        assert glob.glob(f"/dev/shm/{settings().shm_prefix}*") == []
     run(go())

@@ -6,9 +6,23 @@ import pytest
 import torch
 from mstar.services.transport import TensorReceiver
 from mstar.services.transport.shm import SHM_MIN_BYTES, ShmSender
+from mstar.v1 import tensor_pb2 as pb
+
+
+def encode(sender, name, t):
+    msg = pb.Tensor()
+    sender.encode_into(msg, name, t)
+    return msg
 
 from mstar import wire
 from mstar.env import settings
+
+
+def test_non_contiguous_and_bf16_tensors_travel():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    assert torch.equal(wire.from_proto(wire.to_proto("t", t)), t)
+    b = torch.randn(5, dtype=torch.bfloat16)
+    assert torch.equal(wire.from_proto(wire.to_proto("b", b)), b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -32,17 +46,17 @@ def test_shm_roundtrip_pools_and_frees():
     sender, receiver = ShmSender("test"), TensorReceiver()
     big = torch.randn(SHM_MIN_BYTES // 2, dtype=torch.float32)  # 128 KiB
     acks: list[int] = []
-    msg = sender.encode("big", big)
+    msg = encode(sender, "big", big)
     assert msg.WhichOneof("payload") == "shm"
     assert torch.equal(receiver.decode(msg, acks), big)
     assert acks == [msg.shm.buffer_id]
     sender.release(acks)
-    msg2 = sender.encode("big", big * 2)
+    msg2 = encode(sender, "big", big * 2)
     assert msg2.shm.segment == msg.shm.segment  # the acknowledged buffer is reused
     assert torch.equal(receiver.decode(msg2, []), big * 2)
-    msg3 = sender.encode("big", big * 3)  # msg2 not acknowledged: a second segment
+    msg3 = encode(sender, "big", big * 3)  # msg2 not acknowledged: a second segment
     assert msg3.shm.segment != msg.shm.segment
-    small = sender.encode("small", torch.arange(10))
+    small = encode(sender, "small", torch.arange(10))
     assert small.WhichOneof("payload") == "raw"
     names = sender.segment_names
     assert all(glob.glob(f"/dev/shm/{n}") for n in names)

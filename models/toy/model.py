@@ -8,6 +8,10 @@ It "translates" a prompt with ROT13, byte by byte:
   ``tally`` when the loop ends (an accumulated loop output);
 - chunk walks ``speak`` (sliding window -> audio), ``measure`` (fixed chunks ->
   latent levels) and ``caption`` (left context -> text).
+
+With ``relay_bytes`` set, a request instead runs only walk ``relay``: ``blob_source``
+hands a tensor of that many bytes to ``blob_sink``, which reports how long the
+hand-over took (the mesh benchmark's tensor-transfer measurement).
 """
 
 from __future__ import annotations
@@ -142,10 +146,27 @@ class Captioner(_PerCall):
         return {"caption": rot13(fresh)}  # ROT13 twice: the prompt's own bytes
 
 
+class BlobSource(_PerCall):
+    def one(self, call):
+        n = int(call.inputs["size"])
+        blob = call.state.get("blob")
+        if blob is None or blob.numel() != n:  # made once per size: allocation is not transfer
+            blob = call.state["blob"] = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        return {"blob": blob, "sent_at": torch.tensor([time.perf_counter()], dtype=torch.float64)}
+
+
+class BlobSink(_PerCall):
+    def one(self, call):
+        elapsed = time.perf_counter() - float(call.inputs["sent_at"])
+        blob = call.inputs["blob"]
+        return {"transfer": torch.tensor([blob.numel(), elapsed, int(blob[-1])], dtype=torch.float64)}
+
+
 _SUBMODULES: dict[str, type[NodeSubmodule]] = {
     "rot": Rot, "keep": Keep, "combine": Combine, "decoder": Decoder, "tally": Tally,
-    "synth": Synth, "meter": Meter, "captioner": Captioner,
+    "synth": Synth, "meter": Meter, "captioner": Captioner, "blob_source": BlobSource, "blob_sink": BlobSink,
 }
+MAX_RELAY_BYTES = 1 << 30
 
 
 class ToyModel(Model):
@@ -182,10 +203,15 @@ class ToyModel(Model):
                                       GraphEdge("meter", EMIT_TO_CLIENT, "levels", modality=Modality.LATENT)]),
             Walk("caption", "captioner", [GraphEdge(INPUT, "captioner", "token"),
                                           GraphEdge("captioner", EMIT_TO_CLIENT, "caption", modality=Modality.TEXT)]),
+            Walk("relay", Sequential("blob_source", "blob_sink"), [
+                GraphEdge(INPUT, "blob_source", "size"),
+                GraphEdge("blob_source", "blob_sink", "blob"),
+                GraphEdge("blob_source", "blob_sink", "sent_at"),
+                GraphEdge("blob_sink", EMIT_TO_CLIENT, "transfer", modality=Modality.LATENT)]),
         ]
 
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        allowed = {"max_tokens", "stop", "delay_ms", "fail_at"}
+        allowed = {"max_tokens", "stop", "delay_ms", "fail_at", "relay_bytes"}
         for key in kwargs:
             if key not in allowed:
                 raise InvalidArgument(f"model_kwargs.{key}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
@@ -208,6 +234,11 @@ class ToyModel(Model):
             if not isinstance(f, int) or isinstance(f, bool) or f < 0:
                 raise InvalidArgument("model_kwargs.fail_at", "must be a non-negative integer")
             out["fail_at"] = f
+        if "relay_bytes" in kwargs:
+            r = kwargs["relay_bytes"]
+            if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_RELAY_BYTES:
+                raise InvalidArgument("model_kwargs.relay_bytes", f"must be an integer in [1, {MAX_RELAY_BYTES}]")
+            out["relay_bytes"] = r
         return out
 
     def process_prompt(self, prompt: Prompt) -> RequestState:
@@ -223,6 +254,9 @@ class ToyModel(Model):
         return state
 
     def next_walk(self, state: RequestState, finished: str | None) -> WalkSeed | None:
+        relay = state.prompt.kwargs.get("relay_bytes")
+        if relay is not None:
+            return WalkSeed("relay", {"size": torch.tensor([relay])}) if finished is None else None
         if finished is None:
             return WalkSeed("encode", {"tokens": state.data["tokens"]})
         if finished == "encode":

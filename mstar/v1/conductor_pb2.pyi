@@ -107,14 +107,14 @@ class FinalEvent(_message.Message):
     def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "chunk", "final")
+    __slots__ = ("request_id", "chunks", "final")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    chunk: OutputChunk
+    chunks: _containers.RepeatedCompositeFieldContainer[OutputChunk]
     final: FinalEvent
-    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[OutputChunk, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[OutputChunk, _Mapping]]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

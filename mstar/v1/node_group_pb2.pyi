@@ -36,7 +36,14 @@ class FrameError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("kind", "request_id", "walk", "walk_seq", "node", "edge", "iteration", "chunk_index", "done", "tensors", "error", "parent_walk_seq", "request_kwargs_json")
+    __slots__ = ("kind", "request_id", "walk", "walk_seq", "node", "edge", "iteration", "chunk_index", "done", "tensors", "error", "parent_walk_seq", "request_kwargs_json", "persisted_sent", "persisted_expected")
+    class PersistedSentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WALK_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +57,8 @@ class Frame(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PARENT_WALK_SEQ_FIELD_NUMBER: _ClassVar[int]
     REQUEST_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_SENT_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_EXPECTED_FIELD_NUMBER: _ClassVar[int]
     kind: FrameKind
     request_id: str
     walk: str
@@ -63,7 +72,9 @@ class Frame(_message.Message):
     error: FrameError
     parent_walk_seq: int
     request_kwargs_json: str
-    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., walk: _Optional[str] = ..., walk_seq: _Optional[int] = ..., node: _Optional[str] = ..., edge: _Optional[str] = ..., iteration: _Optional[int] = ..., chunk_index: _Optional[int] = ..., done: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error: _Optional[_Union[FrameError, _Mapping]] = ..., parent_walk_seq: _Optional[int] = ..., request_kwargs_json: _Optional[str] = ...) -> None: ...
+    persisted_sent: _containers.ScalarMap[str, int]
+    persisted_expected: int
+    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., walk: _Optional[str] = ..., walk_seq: _Optional[int] = ..., node: _Optional[str] = ..., edge: _Optional[str] = ..., iteration: _Optional[int] = ..., chunk_index: _Optional[int] = ..., done: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error: _Optional[_Union[FrameError, _Mapping]] = ..., parent_walk_seq: _Optional[int] = ..., request_kwargs_json: _Optional[str] = ..., persisted_sent: _Optional[_Mapping[str, int]] = ..., persisted_expected: _Optional[int] = ...) -> None: ...
 
 class FrameBatch(_message.Message):
     __slots__ = ("sender", "frames")

@@ -58,6 +58,7 @@ class Router:
         walk = inst.walk
         if value is not None and (node, edge) in self.persisted[walk]:
             req.persisted[(node, edge)] = value
+            req.persist_received += 1
         stream = self.streams_in[walk].get((node, edge))
         if stream is not None:
             chunker = inst.chunkers.get((node, edge))
@@ -78,7 +79,10 @@ class Router:
 
     def deliver(self, req, inst: WalkInstance, dst: str, name: str, iteration: int, value,
                 targets: list[str], done: bool = False) -> None:
+        persisted = value is not None and (dst, name) in self.persisted[inst.walk]
         for target in targets:
+            if persisted:
+                req.persist_sent[target] = req.persist_sent.get(target, 0) + 1
             if target == self.group:
                 self.accept(req, inst, dst, name, iteration, value, done, self._local_spawn)
             else:
@@ -150,7 +154,10 @@ class Router:
                 self.deliver(req, inst, e.dst, e.name, -1, None, [host(e.topology.dst_walk, e.dst)], done=True)
 
     def fragment_done(self, req, inst: WalkInstance) -> None:
-        self.links["conductor"].send(self._frame(inst, req, K.FRAME_KIND_FRAGMENT_DONE))
+        frame = self._frame(inst, req, K.FRAME_KIND_FRAGMENT_DONE)
+        frame.persisted_sent.update(req.persist_sent)
+        req.persist_sent = {}
+        self.links["conductor"].send(frame)
 
     # set by the runtime: spawning chunk walks for local stream deliveries
     _local_spawn: Callable = None  # type: ignore[assignment]

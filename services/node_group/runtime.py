@@ -36,6 +36,9 @@ class RequestCtx:
     persisted: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     node_state: dict[str, dict] = field(default_factory=dict)
     instances: dict[InstanceKey, WalkInstance] = field(default_factory=dict)
+    persist_received: int = 0  # persisted values stored, local and remote
+    persist_sent: dict[str, int] = field(default_factory=dict)  # since the last FRAGMENT_DONE, by group
+    parked: list[tuple[WalkInstance, int, dict]] = field(default_factory=list)  # starts waiting for persisted values
 
 
 @dataclass
@@ -94,13 +97,12 @@ class NodeGroupRuntime:
             req.kwargs = json.loads(f.request_kwargs_json)
         inst = self._instance(req, (f.walk, f.walk_seq, -1))
         if f.kind == K.FRAME_KIND_START_WALK:
-            self._start(req, inst, tensors)
-            for other in list(req.instances.values()):  # chunk walks spawned before the start
-                if other is not inst:
-                    self._advance(req, other)
+            req.parked.append((inst, f.persisted_expected, tensors))
+            self._unpark(req)
         elif f.kind == K.FRAME_KIND_DATA:
             value = next(iter(tensors.values()), None)
             self.router.accept(req, inst, f.node, f.edge, f.iteration, value, f.done, self._spawn_chunks)
+            self._unpark(req)
         elif f.kind == K.FRAME_KIND_LOOP_END:
             lp = inst.plan.nodes[f.node].loop
             assert lp is not None, f"LOOP_END for node '{f.node}' outside a loop"
@@ -117,6 +119,20 @@ class NodeGroupRuntime:
                 raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"node group '{self.group}': unknown walk '{walk}'")
             inst = req.instances[key] = self.router.new_instance(key)
         return inst
+
+    def _unpark(self, req: RequestCtx) -> None:
+        """Start walks whose persisted inputs have all arrived (they may trail START_WALK)."""
+        if not req.parked:
+            return
+        waiting = []
+        for inst, expected, given in req.parked:
+            if req.persist_received < expected:
+                waiting.append((inst, expected, given))
+                continue
+            self._start(req, inst, given)
+            for other in list(req.instances.values()):  # chunk walks spawned before the start
+                self._advance(req, other)
+        req.parked = waiting
 
     def _start(self, req: RequestCtx, inst: WalkInstance, given: dict[str, torch.Tensor]) -> None:
         for e in inst.plan.walk.edges:

@@ -9,7 +9,7 @@ import logging
 import signal
 
 from mstar.models.registry import create_model
-from mstar.services.grpc_server import ServerBase
+from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.transport import TensorReceiver, parse_protocol
 
@@ -98,7 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s [{args.group}] %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    run_service(serve(args))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def parse_protocol(value: str) -> Protocol:
 class TensorSender:
     """Encodes tensors for one outgoing link."""
 
-    def encode(self, name: str, t: torch.Tensor) -> pb.Tensor:
-        return wire.to_proto(name, t)
+    def encode_into(self, msg: pb.Tensor, name: str, t: torch.Tensor) -> None:
+        """Write ``t`` into ``msg`` (a new element of a frame's tensors)."""
+        wire.fill_proto(msg, name, t)
 
     def release(self, buffer_ids) -> None:
         """The receiver acknowledged these buffers."""

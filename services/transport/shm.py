@@ -75,11 +75,12 @@ class ShmSender(TensorSender):
         self._free: dict[int, list[int]] = {}  # size class -> segment ids
         self._lock = threading.Lock()
 
-    def encode(self, name: str, t: torch.Tensor) -> pb.Tensor:
+    def encode_into(self, msg: pb.Tensor, name: str, t: torch.Tensor) -> None:
+        if t.numel() * t.element_size() < SHM_MIN_BYTES:
+            wire.fill_proto(msg, name, t)
+            return
         src = wire.tensor_bytes(t)
         n = len(src)
-        if n < SHM_MIN_BYTES:
-            return super().encode(name, t)
         size = _size_class(n)
         with self._lock:
             free = self._free.setdefault(size, [])
@@ -93,8 +94,9 @@ class ShmSender(TensorSender):
                     seg_id += 1
                 self._segments[seg_id] = seg
         seg.array[:n] = np.frombuffer(src, dtype=np.uint8)
-        ref = pb.SharedMemoryRef(segment=seg.name, offset=0, nbytes=n, buffer_id=seg_id)
-        return pb.Tensor(name=name, datatype=wire.wire_dtype(t.dtype), shape=list(t.shape), shm=ref)
+        msg.name, msg.datatype = name, wire.wire_dtype(t.dtype)
+        msg.shape.extend(t.shape)
+        msg.shm.segment, msg.shm.offset, msg.shm.nbytes, msg.shm.buffer_id = seg.name, 0, n, seg_id
 
     def release(self, buffer_ids) -> None:
         with self._lock:
