@@ -126,6 +126,18 @@ async def transfer(address: str, protocol: str, repeats: int) -> list[dict]:
     return out
 
 
+def raw_grpc(counts) -> list[dict]:
+    """The same client loop against a server that does no work (bench/bare_grpc_server.py)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_grpc_server.py")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{proc.stdout.readline().strip()}"
+        return [asyncio.run(latency(address, c, n)) for c, n in counts]
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+
+
 def machine() -> dict:
     cpu = ""
     try:
@@ -146,10 +158,11 @@ def main() -> None:
     result: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
                     "workload": "toy model, default config (3 node groups + conductor + gateway as processes); "
                                 "latency requests: prompt 'hi', max_tokens=2 (2 walks + 6 chunk walks, 8 output events)"}
+    counts = [(c, int(n * scale)) for c, n in ((1, 1000), (16, 4000), (64, 8000))]
+    result["raw_grpc"] = raw_grpc(counts)
     mesh = launch("SHM")
     try:
-        result["latency"] = [asyncio.run(latency(mesh.conductor_address, c, int(n * scale)))
-                             for c, n in ((1, 1000), (16, 4000), (64, 8000))]
+        result["latency"] = [asyncio.run(latency(mesh.conductor_address, c, n)) for c, n in counts]
         prompt = ("The quick brown fox jumps over the lazy dog. " * 100)[:4096]
         result["events"] = [asyncio.run(events_grpc(mesh.conductor_address, s, prompt)) for s in (1, 8)]
         result["events"] += [asyncio.run(events_gateway(mesh.url, s, prompt)) for s in (1, 8)]

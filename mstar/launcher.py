@@ -86,7 +86,7 @@ class Mesh:
             "--max-inflight", str(opts.max_inflight), "--request-timeout", str(opts.request_timeout_s)]))
         self.services.append(Service("gateway", "gateway", f"{h}:{http_port}", [
             py, "-m", "mstar.gateway", "--conductor", self.conductor_address, "--host", h,
-            "--port", str(http_port), "--log-level", lvl]))
+            "--port", str(http_port), "--log-level", lvl, "--request-timeout", str(opts.request_timeout_s)]))
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:

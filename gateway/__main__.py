@@ -1,0 +1,3 @@
+from mstar.gateway.server import main
+
+raise SystemExit(main())

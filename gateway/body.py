@@ -1,0 +1,175 @@
+"""Reading and validating a ``POST /generate`` body (JSON or multipart) into a GenerateBody.
+
+Everything a client can get wrong is caught here, before the conductor sees the request,
+and answered with an ApiError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from aiohttp import BodyPartReader, hdrs, web
+from mstar.gateway.errors import ApiError, bad_request, too_large
+
+FIELDS = ("model", "text", "model_kwargs", "stream", "timeout_s", "request_id")
+_READ_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A file part of a multipart body."""
+
+    name: str
+    content_type: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    model: str
+    text: str = ""
+    model_kwargs: dict = field(default_factory=dict)
+    stream: bool = False
+    #: seconds; 0 leaves the conductor's default timeout in force
+    timeout_s: float = 0.0
+    #: empty: the conductor assigns one
+    request_id: str = ""
+    files: tuple[Upload, ...] = ()
+
+
+async def read_generate_body(request: web.Request, max_bytes: int, max_timeout_s: float) -> GenerateBody:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise too_large(max_bytes)
+    if request.content_type == "application/json":
+        return _from_json(await _read_all(request, max_bytes), max_timeout_s)
+    if request.content_type == "multipart/form-data":
+        return await _from_multipart(request, max_bytes, max_timeout_s)
+    sent = request.headers.get(hdrs.CONTENT_TYPE, "no Content-Type")
+    raise ApiError(415, f"unsupported Content-Type '{sent}'; send application/json or multipart/form-data",
+                   code="UNSUPPORTED_MEDIA_TYPE")
+
+
+async def _read_all(request: web.Request, max_bytes: int) -> bytes:
+    try:
+        return await request.read()  # enforces the app's client_max_size even without Content-Length
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(max_bytes) from None
+
+
+def _from_json(raw: bytes, max_timeout_s: float) -> GenerateBody:
+    try:
+        values = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(None, f"malformed JSON body: {e}") from None
+    if not isinstance(values, dict):
+        raise bad_request(None, f"the body must be a JSON object, got {_json_type(values)}")
+    return _validate(values, max_timeout_s)
+
+
+async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: float) -> GenerateBody:
+    try:
+        reader = await request.multipart()
+    except (ValueError, AssertionError) as e:
+        raise bad_request(None, f"malformed multipart body: {e}") from None
+    values: dict[str, object] = {}
+    files: list[Upload] = []
+    total = 0
+    while True:
+        try:
+            part = await reader.next()
+        except (ValueError, AssertionError) as e:
+            raise bad_request(None, f"malformed multipart body: {e}") from None
+        if part is None:
+            break
+        if not isinstance(part, BodyPartReader):
+            raise bad_request(None, "nested multipart bodies are not supported")
+        name = part.name
+        if not name:
+            raise bad_request(None, "every multipart part needs a name in its Content-Disposition")
+        data = await _read_part(part, max_bytes - total, max_bytes)
+        total += len(data)
+        if name in FIELDS:  # a known field wins even when sent as a file (curl -F model_kwargs=@kw.json)
+            if name in values:
+                raise bad_request(name, f"{name}: sent more than once")
+            values[name] = _form_value(name, data)
+        elif part.filename is not None:
+            files.append(Upload(name, part.headers.get(hdrs.CONTENT_TYPE, "application/octet-stream"), data))
+        else:
+            raise bad_request(name, f"unknown form field '{name}'; fields are {', '.join(FIELDS)}, "
+                                    "and a file part needs a filename")
+    return _validate(values, max_timeout_s, tuple(files))
+
+
+async def _read_part(part: BodyPartReader, budget: int, max_bytes: int) -> bytes:
+    buf = bytearray()
+    while chunk := await part.read_chunk(_READ_CHUNK):
+        buf += chunk
+        if len(buf) > budget:
+            raise too_large(max_bytes)
+    return bytes(buf)
+
+
+def _form_value(name: str, data: bytes) -> object:
+    """Form fields arrive as strings; give them the JSON types _validate expects."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request(name, f"{name}: not valid UTF-8") from None
+    if name == "model_kwargs":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise bad_request(name, f"model_kwargs: not valid JSON: {e}") from None
+    if name == "stream":
+        flag = text.strip().lower()
+        if flag not in ("true", "false"):
+            raise bad_request(name, f"stream: must be 'true' or 'false', got '{text}'")
+        return flag == "true"
+    if name == "timeout_s":
+        try:
+            return float(text)
+        except ValueError:
+            raise bad_request(name, f"timeout_s: must be a number of seconds, got '{text}'") from None
+    return text
+
+
+def _validate(values: dict, max_timeout_s: float, files: tuple[Upload, ...] = ()) -> GenerateBody:
+    for key in values:
+        if key not in FIELDS:
+            raise bad_request(key, f"unknown field '{key}'; allowed: {', '.join(FIELDS)}")
+    if "model" not in values:
+        raise bad_request("model", "model: required")
+    for key, kind in (("model", str), ("text", str), ("request_id", str), ("stream", bool), ("model_kwargs", dict)):
+        if key in values and not isinstance(values[key], kind):
+            raise bad_request(key, f"{key}: must be {_json_type(kind())}, got {_json_type(values[key])}")
+    if not values["model"]:
+        raise bad_request("model", "model: must not be empty")
+    timeout_s = values.get("timeout_s", 0.0)
+    if "timeout_s" in values:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+            raise bad_request("timeout_s", f"timeout_s: must be a number, got {_json_type(timeout_s)}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise bad_request("timeout_s", f"timeout_s: must be a positive number of seconds, got {timeout_s}")
+        if timeout_s > max_timeout_s:
+            raise bad_request("timeout_s", f"timeout_s: {timeout_s:g} s exceeds this gateway's limit of {max_timeout_s:g} s")
+    return GenerateBody(model=values["model"], text=values.get("text", ""), model_kwargs=values.get("model_kwargs", {}),
+                        stream=values.get("stream", False), timeout_s=float(timeout_s),
+                        request_id=values.get("request_id", ""), files=files)
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

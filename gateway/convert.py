@@ -1,0 +1,129 @@
+"""The one place the gateway converts between its JSON and the Conductor protobufs."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from mstar.gateway.body import GenerateBody
+
+from mstar.v1 import conductor_pb2 as cpb
+from mstar.v1 import tensor_pb2
+
+MODALITY = {cpb.MODALITY_UNSPECIFIED: "unspecified", cpb.MODALITY_TEXT: "text", cpb.MODALITY_IMAGE: "image",
+            cpb.MODALITY_AUDIO: "audio", cpb.MODALITY_ACTION: "action", cpb.MODALITY_LATENT: "latent"}
+_BYTES = ("image", "audio")
+_TENSORS = ("action", "latent")
+
+
+class ProtocolError(Exception):
+    """The conductor sent something the public API does not allow."""
+
+
+def to_request(body: GenerateBody) -> cpb.GenerateRequest:
+    files = [cpb.InputFile(name=f.name, content_type=f.content_type, data=f.data) for f in body.files]
+    return cpb.GenerateRequest(model=body.model, text=body.text, files=files,
+                               model_kwargs_json=json.dumps(body.model_kwargs) if body.model_kwargs else "",
+                               request_id=body.request_id, timeout_s=body.timeout_s)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def tensor_json(t: tensor_pb2.Tensor) -> dict:
+    if t.WhichOneof("payload") == "shm":
+        raise ProtocolError(f"tensor '{t.name}' arrived by shared-memory reference; the public API carries bytes inline")
+    return {"datatype": t.datatype, "shape": list(t.shape), "data_b64": b64(t.raw)}
+
+
+def chunk_json(c: cpb.OutputChunk) -> dict:
+    """One NDJSON line; the payload keys depend on the modality."""
+    modality = MODALITY.get(c.modality, "unspecified")
+    out: dict = {"type": "chunk", "name": c.name, "modality": modality, "index": c.index}
+    if modality == "text" or c.text:
+        out["text"] = c.text
+    if modality in _BYTES or c.data:
+        out["data_b64"] = b64(c.data)
+        out["mime_type"] = c.mime_type
+    if modality == "audio" or c.sample_rate_hz:
+        out["sample_rate_hz"] = c.sample_rate_hz
+    if modality in _TENSORS or c.HasField("tensor"):
+        out["tensor"] = tensor_json(c.tensor)
+    out["token_ids"] = list(c.token_ids)
+    out["elapsed_s"] = c.elapsed_s
+    return out
+
+
+def usage_json(u: cpb.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "walks": u.walks,
+            "audio_seconds": u.audio_seconds}
+
+
+def timings_json(t: cpb.Timings) -> dict:
+    return {"first_output_s": t.first_output_s, "total_s": t.total_s, "process_prompt_s": t.process_prompt_s}
+
+
+def final_json(f: cpb.FinalEvent, request_id: str) -> dict:
+    return {"type": "final", "request_id": request_id, "usage": usage_json(f.usage), "timings": timings_json(f.timings),
+            "finish_reason": f.finish_reason}
+
+
+def error_json(code: str, message: str) -> dict:
+    return {"type": "error", "error": {"code": code, "message": message}}
+
+
+def message_json(r: cpb.GenerateResponse) -> list[dict]:
+    """The NDJSON lines of one conductor message: its chunks in order, then the final event if set."""
+    lines = [chunk_json(c) for c in r.chunks]
+    if r.HasField("final"):
+        lines.append(final_json(r.final, r.request_id))
+    return lines
+
+
+class Collected:
+    """A whole request's chunks folded into one object per output name (``stream: false``):
+    text concatenated, image/audio bytes concatenated, tensors listed in order."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, dict] = {}
+        self._text: dict[str, list[str]] = {}
+        self._bytes: dict[str, bytearray] = {}
+
+    def add(self, c: cpb.OutputChunk) -> None:
+        out = self.outputs.get(c.name)
+        if out is None:
+            out = self.outputs[c.name] = self._start(c)
+        out["num_chunks"] += 1
+        out["token_ids"].extend(c.token_ids)
+        if c.name in self._bytes:
+            self._bytes[c.name] += c.data
+        elif "chunks" in out:
+            out["chunks"].append(tensor_json(c.tensor))
+        else:
+            self._text[c.name].append(c.text)
+
+    def _start(self, c: cpb.OutputChunk) -> dict:
+        modality = MODALITY.get(c.modality, "unspecified")
+        out: dict = {"modality": modality, "num_chunks": 0, "token_ids": []}
+        if modality in _BYTES:
+            out["mime_type"] = c.mime_type
+            self._bytes[c.name] = bytearray()
+        elif modality in _TENSORS or c.HasField("tensor"):
+            out["chunks"] = []
+        else:
+            self._text[c.name] = []
+        if modality == "audio":
+            out["sample_rate_hz"] = c.sample_rate_hz
+        return out
+
+    def json(self, request_id: str, final: cpb.FinalEvent) -> dict:
+        outputs = {}
+        for name, out in self.outputs.items():
+            if name in self._bytes:
+                out = {**out, "data_b64": b64(self._bytes[name])}
+            elif name in self._text:
+                out = {**out, "text": "".join(self._text[name])}
+            outputs[name] = out
+        return {"request_id": request_id, "outputs": outputs, "usage": usage_json(final.usage),
+                "timings": timings_json(final.timings), "finish_reason": final.finish_reason}

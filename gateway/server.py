@@ -1,0 +1,88 @@
+"""``python -m mstar.gateway``: serve the REST gateway until SIGTERM/SIGINT, then drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import uvloop
+from aiohttp import web
+from mstar.gateway.app import create_app
+
+log = logging.getLogger("mstar.gateway")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mstar-gateway", description="Serve the REST gateway in front of a conductor.")
+    p.add_argument("--conductor", required=True, metavar="HOST:PORT", help="the conductor's gRPC address")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks a free port)")
+    p.add_argument("--port-file", metavar="PATH", help="write the bound port number to PATH once listening")
+    p.add_argument("--max-upload-mb", type=float, default=32.0, help="largest request body in MiB (default 32)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="longest a request may run and largest timeout_s a client may ask for, seconds (default 300)")
+    p.add_argument("--shutdown-grace", type=float, default=4.0,
+                   help="seconds in-flight responses get to finish after SIGTERM before they are cut (default 4)")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.max_upload_mb <= 0:
+        p.error("--max-upload-mb must be > 0")
+    if args.request_timeout <= 0:
+        p.error("--request-timeout must be > 0")
+    if args.shutdown_grace <= 0:  # aiohttp reads a shutdown timeout of 0 as "wait forever"
+        p.error("--shutdown-grace must be > 0")
+    return args
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+async def serve(args: argparse.Namespace) -> None:
+    app = create_app(args.conductor, max_upload_bytes=int(args.max_upload_mb * 2**20), request_timeout_s=args.request_timeout)
+    # handler_cancellation: a client that disconnects cancels its handler, hence its gRPC call.
+    # shutdown_timeout: aiohttp waits it twice for an in-flight handler (to finish, then to notice its
+    # request was cancelled) before cancelling the handler; half the grace each keeps the total bounded.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=args.shutdown_grace / 2)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        if args.port_file:
+            _write_port_file(args.port_file, port)
+        log.info("gateway listening on %s", _url(args.host, port))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("gateway draining (up to %g s for in-flight responses)", args.shutdown_grace)
+    finally:
+        await runner.cleanup()  # stop accepting, let handlers finish (bounded), close the channel
+    log.info("gateway stopped")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
+    try:
+        uvloop.run(serve(args))  # as the other services (services/grpc_server.run_service)
+    except OSError as e:  # typically the port is taken
+        log.error("gateway cannot serve on %s:%s: %s", args.host, args.port, e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
