@@ -135,6 +135,32 @@ class NodeSubmodule:
         """Free everything held for the request (caches, pages)."""
 
 
+class EngineNode(NodeSubmodule):
+    """A node whose calls complete inside an engine that batches across requests and
+    steps (a KV-cache engine: continuous batching, chunked prefill, preemption).
+
+    The runtime hands each ready call to ``submit`` at once and calls ``step`` while
+    ``has_work``; a call completes when a step returns it. Calls of a request passed to
+    ``release`` must never be returned afterwards. If ``step`` raises, every call still
+    in the engine fails.
+    """
+
+    blocking = True
+
+    def submit(self, call: NodeCall) -> None:
+        raise NotImplementedError
+
+    @property
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> list[tuple[NodeCall, dict[str, torch.Tensor] | Exception]]:
+        raise NotImplementedError
+
+    def forward(self, batch: Any) -> list[dict[str, torch.Tensor]]:
+        raise TypeError("an EngineNode runs through submit/step, not forward")
+
+
 @dataclass(frozen=True)
 class NodeContext:
     """Where a submodule is created."""

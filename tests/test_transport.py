@@ -6,6 +6,9 @@ import pytest
 import torch
 from mstar.services.transport import TensorReceiver
 from mstar.services.transport.shm import SHM_MIN_BYTES, ShmSender
+
+from mstar import wire
+from mstar.env import settings
 from mstar.v1 import tensor_pb2 as pb
 
 
@@ -13,9 +16,6 @@ def encode(sender, name, t):
     msg = pb.Tensor()
     sender.encode_into(msg, name, t)
     return msg
-
-from mstar import wire
-from mstar.env import settings
 
 
 def test_non_contiguous_and_bf16_tensors_travel():

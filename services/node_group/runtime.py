@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from mstar.models.base import Model, NodeCall, NodeContext
+from mstar.models.base import EngineNode, Model, NodeCall, NodeContext
 from mstar.models.graph import INPUT
 from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
@@ -69,6 +69,8 @@ class NodeGroupRuntime:
         self._order: deque[tuple[str, str]] = deque()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{group}-forward")
+        self.engines = {n: s for n, s in self.submodules.items() if isinstance(s, EngineNode)}
+        self._in_engine: dict[int, tuple[NodeCall, RequestCtx, WalkInstance, str]] = {}  # id(call) -> call, where, node
         self.steps = 0  # batches executed
         self.calls = 0  # node calls executed (calls / steps = mean batch size)
 
@@ -193,21 +195,52 @@ class NodeGroupRuntime:
         return None
 
     async def run(self) -> None:
+        """schedule -> execute -> update, forever: one stateless batch or one round of
+        engine submissions, then one step of every engine that has work."""
         loop = asyncio.get_running_loop()
         while True:
             picked = self._next_batch()
-            if picked is None:
+            if picked is not None:
+                (walk, node), batch = picked
+                calls, live = self._calls(walk, node, batch)
+                engine = self.engines.get(node)
+                if engine is not None:
+                    for call, (req, inst) in zip(calls, live, strict=True):
+                        self._in_engine[id(call)] = (call, req, inst, node)
+                        engine.submit(call)
+                elif calls:
+                    outputs = await self._execute(loop, node, calls)
+                    self._update(node, live, calls, outputs)
+                    self.steps += 1
+                    self.calls += len(calls)
+            stepped = False
+            for node, engine in self.engines.items():
+                if engine.has_work:
+                    stepped = True
+                    await self._engine_step(loop, node, engine)
+            if picked is None and not stepped:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            (walk, node), batch = picked
-            calls, live = self._calls(walk, node, batch)
-            if calls:
-                outputs = await self._execute(loop, node, calls)
-                self._update(node, live, calls, outputs)
-                self.steps += 1
-                self.calls += len(calls)
             await asyncio.sleep(0)  # let arriving frames in between steps
+
+    async def _engine_step(self, loop, node: str, engine: EngineNode) -> None:
+        try:
+            done = await loop.run_in_executor(self._executor, engine.step) if engine.blocking else engine.step()
+        except Exception as e:
+            log.exception("engine of node '%s' failed a step", node)
+            done = [(c, e) for c, _r, _i, n in self._in_engine.values() if n == node]
+        live, calls, outputs = [], [], []
+        for call, out in done:
+            entry = self._in_engine.pop(id(call), None)
+            if entry is None:
+                continue  # released meanwhile
+            calls.append(call)
+            live.append((entry[1], entry[2]))
+            outputs.append(out)
+        self.steps += 1
+        self.calls += len(calls)
+        self._update(node, live, calls, outputs)
 
     # -- execute -------------------------------------------------------------------------
     def _calls(self, walk: str, node: str, batch: list[Pending]):
@@ -279,6 +312,8 @@ class NodeGroupRuntime:
         if self.requests.pop(request_id, None) is not None:
             for sub in self.submodules.values():
                 sub.release(request_id)
+            for key in [k for k, (c, *_) in self._in_engine.items() if c.request_id == request_id]:
+                del self._in_engine[key]
         self.links.forget(request_id)
 
     def _on_link_down(self, peer: str, reason: str, request_ids: set[str]) -> None:
@@ -299,5 +334,4 @@ class NodeGroupRuntime:
 
     def is_local(self, walk: str, node: str) -> bool:
         return self.placement.host(walk, node) == self.group
-
 
