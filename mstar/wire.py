@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 
 from mstar.v1 import tensor_pb2 as pb
@@ -74,10 +75,10 @@ def from_bytes(buf, datatype: str, shape) -> torch.Tensor:
     itemsize = _ITEMSIZE[datatype]
     if len(buf) != count * itemsize:
         raise WireError(f"tensor of shape {shape} {datatype} needs {count * itemsize} bytes, got {len(buf)}")
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    # bytearray makes the result writable and owned by the tensor
-    return torch.frombuffer(bytearray(buf), dtype=dtype, count=count).reshape(shape)
+    out = torch.empty(shape, dtype=dtype)
+    if count:  # one copy, straight into memory the tensor owns
+        out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
+    return out
 
 
 def from_proto(msg: pb.Tensor) -> torch.Tensor:

@@ -1,0 +1,124 @@
+import json
+
+import pytest
+import torch
+from mstar.models.orpheus.checkpoint import (
+    CheckpointError,
+    load_tensors,
+    open_checkpoint,
+    resolve_checkpoint,
+    tensor_shapes,
+    validate_shapes,
+)
+from safetensors.torch import save_file
+
+TENSORS = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.weight": torch.ones(4), "c.bias": torch.zeros(1)}
+SHAPES = {k: tuple(v.shape) for k, v in TENSORS.items()}
+
+
+def write_single(d, tokenizer=True):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file(TENSORS, str(d / "model.safetensors"))
+    if tokenizer:
+        (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def write_sharded(d):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"a.weight": TENSORS["a.weight"]}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({k: TENSORS[k] for k in ("b.weight", "c.bias")}, str(d / "model-00002-of-00002.safetensors"))
+    index = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors",
+             "c.bias": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def hf_cache(root, repo="canopylabs/orpheus-3b-0.1-ft", commit="abc123"):
+    org, name = repo.split("/")
+    base = root / f"models--{org}--{name}"
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit + "\n")
+    return write_single(base / "snapshots" / commit)
+
+
+def test_resolve_plain_directory(tmp_path):
+    assert resolve_checkpoint(str(write_single(tmp_path / "m"))) == tmp_path / "m"
+
+
+def test_resolve_hf_cache_layout_by_ref_and_commit(tmp_path):
+    snapshot = hf_cache(tmp_path)
+    assert resolve_checkpoint("canopylabs/orpheus-3b-0.1-ft", cache_dir=tmp_path) == snapshot
+    assert resolve_checkpoint("canopylabs/orpheus-3b-0.1-ft", cache_dir=tmp_path, revision="abc123") == snapshot
+    with pytest.raises(CheckpointError, match=r"no snapshot for revision 'v2'.*snapshots present: \['abc123'\]"):
+        resolve_checkpoint("canopylabs/orpheus-3b-0.1-ft", cache_dir=tmp_path, revision="v2")
+
+
+def test_resolve_plain_org_name_under_cache_dir(tmp_path):
+    d = write_single(tmp_path / "hubertsiuzdak" / "snac_24khz")
+    assert resolve_checkpoint("hubertsiuzdak/snac_24khz", cache_dir=tmp_path) == d
+
+
+def test_resolve_missing_never_downloads_and_says_where_it_looked(tmp_path):
+    with pytest.raises(CheckpointError, match=r"'org/absent' not found.*models--org--absent.*Nothing is downloaded"):
+        resolve_checkpoint("org/absent", cache_dir=tmp_path)
+
+
+def test_single_file_checkpoint(tmp_path):
+    files = open_checkpoint(write_single(tmp_path / "m"))
+    assert files.config == {"model_type": "llama"}
+    assert files.weight_files == (tmp_path / "m" / "model.safetensors",)
+    assert tensor_shapes(files) == SHAPES
+    validate_shapes(files, SHAPES)
+    torch.testing.assert_close(load_tensors(files, ["a.weight"])["a.weight"], TENSORS["a.weight"])
+
+
+def test_sharded_checkpoint(tmp_path):
+    files = open_checkpoint(write_sharded(tmp_path / "m"))
+    assert [p.name for p in files.weight_files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert tensor_shapes(files) == SHAPES
+    loaded = load_tensors(files)
+    assert set(loaded) == set(TENSORS) and all(torch.equal(loaded[k], TENSORS[k]) for k in TENSORS)
+
+
+def test_missing_shard_and_missing_listed_tensor_are_named(tmp_path):
+    d = write_sharded(tmp_path / "m")
+    save_file({"b.weight": TENSORS["b.weight"]}, str(d / "model-00002-of-00002.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002.safetensors: missing tensor 'c.bias'"):
+        open_checkpoint(d)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"lists shard model-00002-of-00002.safetensors but .* is missing"):
+        open_checkpoint(d)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match=r"missing file .*config.json"):
+        open_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="missing weights, neither model.safetensors nor model.safetensors.index.json"):
+        open_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=r"missing file .*tokenizer.json"):
+        open_checkpoint(write_single(tmp_path / "m", tokenizer=False))
+    assert open_checkpoint(tmp_path / "m", require_tokenizer=False).tokenizer is None
+
+
+def test_validate_names_file_and_tensor(tmp_path):
+    files = open_checkpoint(write_sharded(tmp_path / "m"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'lm_head.weight' \(expected shape \(5, 2\)\)"):
+        validate_shapes(files, SHAPES | {"lm_head.weight": (5, 2)})
+    with pytest.raises(CheckpointError, match=r"model-00001-of-00002.safetensors: tensor 'a.weight' has shape "
+                       r"\(2, 3\), expected \(3, 2\)"):
+        validate_shapes(files, SHAPES | {"a.weight": (3, 2)})
+    smaller = {k: v for k, v in SHAPES.items() if k != "c.bias"}
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002.safetensors: unexpected tensor 'c.bias'"):
+        validate_shapes(files, smaller)
+    validate_shapes(files, smaller, allow_extra=True)
+
+
+def test_invalid_json_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json: invalid JSON"):
+        open_checkpoint(tmp_path)
