@@ -184,6 +184,8 @@ def _classify(walk: Walk, e: GraphEdge, plans: dict[str, NodePlan], walks: dict[
             raise GraphError(f"{where}: a streaming edge must start inside a Loop (it carries one item per iteration)")
         return EdgeKind.STREAM
     src, dst = plans[e.src], plans.get(e.dst)
+    if e.persist and e.src == e.dst and src.loop is None:
+        return EdgeKind.PERSIST  # a node keeps a value for its own use in a later walk
     if dst is None:
         if not e.persist:
             raise GraphError(f"{where} goes to '{e.dst}', which does not run in this walk; mark it persist=True to keep the value for a later walk, or add '{e.dst}' to the body")

@@ -135,3 +135,10 @@ def test_registry_lists_known_models():
     with pytest.raises(UnknownModel) as e:
         model_class("tyo")
     assert "Unknown model 'tyo'. Known: " in str(e.value) and "toy" in str(e.value)
+
+
+def test_a_node_may_persist_a_value_for_itself():
+    m = make([Walk("prefill", "a", [GraphEdge(INPUT, "a", "x"), GraphEdge("a", "a", "first", persist=True)]),
+              Walk("decode", Loop("a", 4), [GraphEdge(INPUT, "a", "first")])], nodes=("a",))
+    (pe,) = [p for p in m.plans["prefill"].nodes["a"].out_edges]
+    assert pe.kind is EdgeKind.PERSIST

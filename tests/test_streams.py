@@ -52,4 +52,14 @@ def test_chunker_keeps_only_what_it_still_needs():
     c = Chunker(SlidingWindow(window=8, stride=2))
     for i in range(1000):
         c.push(torch.tensor([i]))
-    assert len(c.items) <= 8 + 2
+    assert c.rows.shape[0] <= 8 + 2
+
+
+def test_policies_count_rows_not_iterations():
+    # iterations may add no row (nothing to stream) or several
+    c = Chunker(FixedChunks(3))
+    got = []
+    for item in ([0], [], [1, 2, 3, 4], [], [5]):
+        got += c.push(torch.tensor(item, dtype=torch.int64))
+    got += c.finish()
+    assert [(i.index, i.start, t.tolist()) for i, t in got] == [(0, 0, [0, 1, 2]), (1, 3, [3, 4, 5])]

@@ -1,7 +1,8 @@
-"""Chunkers: cut a streaming edge's items into chunks under its chunk policy.
+"""Chunkers: cut a streaming edge into chunks under its chunk policy.
 
-Items are the producer's per-iteration values; a chunk is the concatenation of
-consecutive items along dim 0. Only the items a future chunk can still need are kept.
+A stream is a sequence of rows (dim 0): each producer iteration appends its value's
+rows — usually one, possibly none (nothing worth streaming this step) or several.
+Policies count rows. Only the rows a future chunk can still need are kept.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ Chunk = tuple[ChunkInfo, torch.Tensor]
 class Chunker:
     def __init__(self, policy: ChunkPolicy):
         self.policy = policy
-        self.items: list[torch.Tensor] = []
-        self.base = 0  # stream position of items[0]
-        self.count = 0  # items received
+        self.rows: torch.Tensor | None = None  # rows [base, count) of the stream
+        self.base = 0  # stream position of rows[0]
+        self.count = 0  # rows received
         self.covered = 0  # items delivered as "new" in some chunk
         self.chunks = 0
         self.closed = False
@@ -27,18 +28,21 @@ class Chunker:
         info = ChunkInfo(index=self.chunks, start=start, new_from=self.covered, final=final)
         self.chunks += 1
         self.covered = end
-        return info, torch.cat(self.items[start - self.base : end - self.base])
+        assert self.rows is not None
+        return info, self.rows[start - self.base : end - self.base]
 
     def _trim(self, keep_from: int) -> None:
-        if keep_from > self.base:
-            del self.items[: keep_from - self.base]
+        if keep_from > self.base and self.rows is not None:
+            self.rows = self.rows[keep_from - self.base :]
             self.base = keep_from
 
     def push(self, item: torch.Tensor) -> list[Chunk]:
         if self.closed:
             raise RuntimeError("item after the stream ended")
-        self.items.append(item)
-        self.count += 1
+        if item.dim() == 0:
+            item = item.reshape(1)
+        self.rows = item if self.rows is None else torch.cat([self.rows, item])
+        self.count += item.shape[0]
         return self._ready(final=False)
 
     def finish(self) -> list[Chunk]:
