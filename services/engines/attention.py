@@ -16,17 +16,16 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
 from mstar.services.engines.pages import CsrPageTable
 
 
 @dataclass(frozen=True)
 class AttentionBatch:
-    """What every layer of one forward pass shares. Host tensors except ``slots``."""
+    """What every layer of one forward pass shares (host tensors; backends move what they need)."""
 
-    qo_indptr: torch.Tensor  # int32 [batch + 1], host
-    table: CsrPageTable  # kv after the new tokens are written, host
-    slots: torch.Tensor  # int64 [num_q_tokens], model device: where each new token's K/V goes
+    qo_indptr: torch.Tensor  # int32 [batch + 1]
+    table: CsrPageTable  # kv after the new tokens are written
+    slots: torch.Tensor  # int64 [num_q_tokens]: cache slot (page * page_size + offset) of each new token
     causal: bool = True
 
     @property
@@ -79,12 +78,13 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self, heads: HeadShape):
+    def __init__(self, heads: HeadShape, device: torch.device | str = "cpu"):
         self.heads = heads
+        self.device = torch.device(device)
         self._plan: _TorchPlan | None = None
 
     def plan(self, batch: AttentionBatch) -> None:
-        self._plan = _TorchPlan.build(batch, self.heads, batch.slots.device)
+        self._plan = _TorchPlan.build(batch, self.device)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         p = self._plan
@@ -113,7 +113,7 @@ class _TorchPlan:
     q_col: torch.Tensor  # int64 [num_q_tokens]: its index within the sequence
 
     @classmethod
-    def build(cls, batch: AttentionBatch, heads: HeadShape, device: torch.device) -> _TorchPlan:
+    def build(cls, batch: AttentionBatch, device: torch.device) -> _TorchPlan:
         t = batch.table
         q_lens, kv_lens, ps = batch.q_lens, t.kv_lens, t.page_size
         n_b, max_q, max_kv = len(q_lens), max(q_lens), max(max(kv_lens), 1)
@@ -141,9 +141,9 @@ def make_backend(kind: str, heads: HeadShape, device: torch.device, dtype: torch
     if kind not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"Unknown attention backend '{kind}'. Known: auto, torch, flashinfer")
     if kind == "torch" or (kind == "auto" and device.type != "cuda"):
-        return TorchPagedAttention(heads)
+        return TorchPagedAttention(heads, device)
     from mstar.services.engines.attn_flashinfer import FlashInferAttention, flashinfer_available
 
     if kind == "auto" and not flashinfer_available():
-        return TorchPagedAttention(heads)
+        return TorchPagedAttention(heads, device)
     return FlashInferAttention(heads, device, dtype, page_size)

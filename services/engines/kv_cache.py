@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-
 from mstar.services.engines.pages import PageAllocator, pages_for
 
 log = logging.getLogger(__name__)

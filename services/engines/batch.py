@@ -1,0 +1,98 @@
+"""Host-side inputs of one forward pass over the paged cache.
+
+Built from the cache's page lists before the pass; all CPU work, so an engine can build step
+N+1's inputs while step N runs on the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from mstar.services.engines.attention import AttentionBatch
+from mstar.services.engines.kv_cache import PagedKVCache
+from mstar.services.engines.pages import build_csr, pages_for
+
+#: Padded rows of a CUDA-graph batch attend to, and write into, slot 0 of scratch page 0.
+SCRATCH_PAGE = 0
+
+
+def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without waiting for queued device work (a plain ``.to`` from
+    pageable memory synchronises the stream, which would stall a pipelined decode)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """New tokens of one labelled sequence in a forward pass: cache positions [start, start + num_tokens)."""
+
+    request_id: str
+    label: str
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    slices: tuple[SeqSlice, ...]
+    positions: torch.Tensor  # int64 [num_rows]: RoPE positions (padded rows: 0)
+    attn: AttentionBatch
+    page_lists: tuple[tuple[int, ...], ...]  # pages each slice's attention reads
+    num_rows: int  # real token rows; rows past it pad a CUDA-graph batch
+
+    @property
+    def padded_rows(self) -> int:
+        return self.attn.num_tokens
+
+    def last_rows(self) -> torch.Tensor:
+        """Row of each slice's last token (whose logits a sampler wants)."""
+        ends = self.attn.qo_indptr[1 : len(self.slices) + 1].long() - 1
+        return ends
+
+
+def build_step_inputs(
+    cache: PagedKVCache,
+    slices: Sequence[SeqSlice],
+    causal: bool = True,
+    positions: torch.Tensor | None = None,
+    pad_to: int | None = None,
+) -> StepInputs:
+    """Inputs for slices whose pages are already reserved. ``positions`` overrides RoPE
+    positions (default: cache positions). ``pad_to`` pads a one-token-per-slice batch to a
+    CUDA-graph batch size with scratch rows."""
+    ps = cache.page_size
+    page_lists: list[tuple[int, ...]] = []
+    kv_lens: list[int] = []
+    slots: list[int] = []
+    q_lens: list[int] = []
+    for s in slices:
+        end = s.start + s.num_tokens
+        pages = tuple(cache.seq(s.request_id, s.label).pages[: pages_for(end, ps)])
+        page_lists.append(pages)
+        kv_lens.append(end)
+        q_lens.append(s.num_tokens)
+        slots.extend(cache.slots(s.request_id, s.label, s.start, s.num_tokens))
+    if positions is None:
+        positions = torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], dtype=torch.long)
+    num_rows = len(slots)
+    if positions.shape != (num_rows,):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({num_rows},)")
+    pad = 0
+    if pad_to is not None:
+        if any(n != 1 for n in q_lens) or pad_to < len(slices):
+            raise ValueError(f"pad_to={pad_to} needs at most that many one-token slices")
+        pad = pad_to - len(slices)
+    tables = page_lists + [(SCRATCH_PAGE,)] * pad
+    table = build_csr(tables, kv_lens + [1] * pad, ps)
+    q_lens += [1] * pad
+    qo_indptr = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    attn = AttentionBatch(
+        qo_indptr, table, torch.tensor(slots + [SCRATCH_PAGE * ps] * pad, dtype=torch.long), causal
+    )
+    positions = torch.cat([positions.long().cpu(), torch.zeros(pad, dtype=torch.long)])
+    return StepInputs(tuple(slices), positions, attn, tuple(page_lists), num_rows)

@@ -1,0 +1,102 @@
+"""CUDA-graph capture and replay of decode steps, one graph per batch-size bucket.
+
+A decode batch of n sequences is padded to the smallest bucket >= n; padded rows read and
+write scratch page 0. Before each replay the step's token ids, positions and cache slots are
+copied into the graph's static buffers and FlashInfer re-plans into its fixed page-table
+buffers (outside the graph). Each bucket has two graphs used in turn, so the plan for step
+N+1 (whose host staging buffer FlashInfer reuses) never races step N still queued on the
+device. Needs CUDA and FlashInfer; ``graphs_unavailable_reason`` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from mstar.services.engines.batch import SeqSlice, build_step_inputs
+from mstar.services.engines.kv_cache import PagedKVCache
+from mstar.services.engines.layers import ForwardContext
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def graphs_unavailable_reason(device: torch.device, backend_name: str) -> str | None:
+    if device.type != "cuda":
+        return f"device is {device}, not CUDA"
+    if backend_name != "flashinfer":
+        return f"attention backend '{backend_name}' cannot be captured (FlashInfer is)"
+    return None
+
+
+class _Graph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, ids, positions, slots, backend, out):
+        self.graph, self.ids, self.positions, self.slots, self.backend, self.out = (
+            graph, ids, positions, slots, backend, out,
+        )
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                 copies: int = 2):
+        from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
+
+        self.model, self.cache = model, cache
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.copies = copies
+        dev = cache.device
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # scratch, stream-ordered
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._turn = 0
+        pool = None
+        for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its pool
+            for copy in range(copies):
+                backend = FlashInferGraphDecode(
+                    model.config.heads, dev, cache.spec.dtype, cache.page_size, bs, cache.allocator.num_pages,
+                    workspace,
+                )
+                g = self._capture(bs, backend, pool)
+                pool = g.graph.pool()
+                self._graphs[(bs, copy)] = g
+        log.info("captured decode CUDA graphs for batch sizes %s (x%d)", self.batch_sizes, copies)
+
+    @torch.inference_mode()
+    def _capture(self, bs: int, backend, pool) -> _Graph:
+        dev = self.cache.device
+        ids = torch.zeros(bs, dtype=torch.long, device=dev)
+        positions = torch.zeros(bs, dtype=torch.long, device=dev)
+        slots = torch.zeros(bs, dtype=torch.long, device=dev)
+        backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
+        ctx = ForwardContext(backend, self.cache.kv, slots)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels (and lazy inits) outside the capture
+                self.model(self.model.embed(ids), positions, ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.model(self.model.embed(ids), positions, ctx)
+        return _Graph(graph, ids, positions, slots, backend, out)
+
+    def bucket(self, num_seqs: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= num_seqs), None)
+
+    def prepare(self, slices: Sequence[SeqSlice]):
+        """Padded step inputs for a one-token-per-sequence batch (None: no bucket fits)."""
+        bs = self.bucket(len(slices))
+        return None if bs is None else build_step_inputs(self.cache, slices, pad_to=bs)
+
+    def replay(self, inputs, token_ids: torch.Tensor) -> torch.Tensor:
+        self._turn = (self._turn + 1) % self.copies
+        g = self._graphs[(inputs.padded_rows, self._turn)]
+        n = inputs.num_rows
+        g.ids[:n].copy_(token_ids, non_blocking=True)
+        g.ids[n:].zero_()
+        g.positions.copy_(inputs.positions.pin_memory(), non_blocking=True)  # pinned: no wait on the device
+        g.slots.copy_(inputs.attn.slots.pin_memory(), non_blocking=True)
+        g.backend.plan(inputs.attn)
+        g.graph.replay()
+        return g.out[:n]

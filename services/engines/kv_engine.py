@@ -1,0 +1,273 @@
+"""The KV-cache engine: a decoder-only transformer over the paged cache.
+
+Two ways in:
+- scheduled generation (autoregressive nodes): ``add_request`` / ``step`` / ``release``;
+  each ``step`` is schedule -> execute -> update, with continuous batching, chunked prefill,
+  preemption, sampling, and on CUDA graph replay and pipelined decode;
+- direct passes (denoising loops, CFG branches, world-model rollouts): ``forward(items)``,
+  each item naming a (request, label) cache and whether its tokens' K/V persist.
+``release(request_id)`` frees every page the request holds under every label.
+
+Pipelined decode (``overlap``): when every sequence of step N decodes and nothing waits,
+step N+1 is launched from step N's sampled tokens while they are still on the device; the
+host then reads step N's tokens and updates the scheduler while the GPU runs step N+1. Rows of
+N+1 whose sequence finished at N are dropped; their K/V write lands past the committed length.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from mstar.services.engines.attention import make_backend
+from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
+from mstar.services.engines.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs, graphs_unavailable_reason
+from mstar.services.engines.direct import ForwardItem, run_direct
+from mstar.services.engines.kv_cache import PagedKVCache
+from mstar.services.engines.model_runner import ModelRunner, PagedDecoder
+from mstar.services.engines.pages import OutOfPages
+from mstar.services.engines.sampling import Sampler, SamplingParams, make_generator
+from mstar.services.engines.scheduler import (
+    ScheduledChunk,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SeqEvent,
+)
+from mstar.services.engines.sequence import SeqStatus
+from mstar.services.engines.sequence import Sequence as Seq
+
+log = logging.getLogger(__name__)
+__all__ = ["EngineConfig", "EngineStats", "ForwardItem", "KVCacheEngine", "StepFailed"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free memory (CUDA only)
+    gpu_memory_fraction: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    attention: str = "auto"  # auto | torch | flashinfer
+    cuda_graphs: bool = True  # decode graphs; off (and logged) where unavailable
+    overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
+    graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # forward passes launched by step()
+    graph_steps: int = 0  # of which replayed from a CUDA graph
+    pipelined_steps: int = 0  # of which launched before the previous step's tokens were read
+    preemptions: int = 0
+    sampled_tokens: int = 0  # drawn, including rows dropped after their sequence finished
+
+
+class StepFailed(RuntimeError):
+    """The forward pass of a step raised; its requests were released."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"engine step failed; released requests {request_ids}")
+        self.request_ids = request_ids
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A step whose device work is queued and whose tokens are not read yet."""
+
+    out: SchedulerOutput
+    sampling: tuple[int, ...]  # indices of the chunks that sample
+    tokens: torch.Tensor  # sampled ids on the model's device, one per sampling chunk
+    host: torch.Tensor  # their host copy, valid after wait()
+    wait: Callable[[], None]
+
+
+class KVCacheEngine:
+    def __init__(self, model: PagedDecoder, config: EngineConfig = EngineConfig(),
+                 clock: Callable[[], float] = time.monotonic):
+        p = next(model.parameters())  # type: ignore[attr-defined]
+        self.device, self.dtype, self.config, self.clock = p.device, p.dtype, config, clock
+        spec = model.config.kv_spec(config.page_size, p.dtype)  # type: ignore[attr-defined]
+        self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction)
+        backend = make_backend(config.attention, model.config.heads, p.device, p.dtype, config.page_size)
+        why_no_graphs = graphs_unavailable_reason(p.device, backend.name)
+        graphs = None
+        if config.cuda_graphs and why_no_graphs:
+            log.info("CUDA graphs off: %s", why_no_graphs)
+        elif config.cuda_graphs:
+            graphs = DecodeGraphs(model, self.cache, config.graph_batch_sizes)
+        self.overlap = config.overlap and p.device.type == "cuda"
+        if config.overlap and not self.overlap:
+            log.info("overlap scheduling off: device is %s, not CUDA", p.device)
+        self.runner = ModelRunner(model, self.cache, backend, graphs)
+        self.scheduler = Scheduler(self.cache, SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._inflight: _Launched | None = None
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.runner.graphs is not None
+
+    @property
+    def model(self) -> PagedDecoder:
+        return self.runner.model
+
+    # -- scheduled generation ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                    key: tuple[str, str] = ("", ""), timeout_s: float | None = None) -> None:
+        """Queue a prompt on the request's "main" cache; ``key`` (node, walk) is its fairness
+        class; past ``timeout_s`` the request is released and reported FINISHED_ABORTED."""
+        params = params or SamplingParams()
+        if self.scheduler.find(request_id) or self.cache.has_seq(request_id, "main"):
+            raise ValueError(f"request {request_id} already holds a 'main' sequence; release it first")
+        deadline = None if timeout_s is None else self.clock() + timeout_s
+        self.scheduler.add(Seq(request_id, list(prompt_ids), params, key, deadline=deadline))
+        self._generators[request_id] = make_generator(params.seed, self.device)
+
+    @property
+    def has_work(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_work
+
+    def step(self) -> list[SeqEvent]:
+        """Finish one step (launching it first unless it is already in flight) and return its
+        events; with ``overlap``, the next step may already be running when this returns."""
+        events = self._abort_expired()
+        launched, self._inflight = self._inflight, None
+        out = launched.out if launched else None
+        try:
+            if launched is None:
+                out = self.scheduler.schedule()
+                self.stats.preemptions += len(out.preempted)
+                if not out.chunks:
+                    return events + self.scheduler.update_from_output(out, [])
+                ids = torch.tensor([t for c in out.chunks for t in c.seq.token_ids[c.start : c.start + c.num_tokens]])
+                launched = self._launch(out, self._build(out), ids)
+            if self.overlap:
+                self._inflight = self._launch_next(launched)
+            launched.wait()
+        except Exception as e:
+            outs = [o for o in (out, self._inflight and self._inflight.out) if o]
+            failed = sorted({c.seq.request_id for o in outs for c in o.chunks})
+            self._inflight = None
+            for rid in failed:
+                self.release(rid)
+            raise StepFailed(failed) from e
+        return events + self._complete(launched)
+
+    def release(self, request_id: str) -> None:
+        """Finish, cancel, time out or fail: free every page of every label of the request.
+        (A step still in flight may write past the freed pages' old contents: it runs before
+        any later step on the device, so no live data is touched.)"""
+        self.scheduler.abort(request_id)
+        self.cache.release(request_id)
+        self._generators.pop(request_id, None)
+
+    def generate(self, prompts: dict[str, Sequence[int]], params: SamplingParams) -> dict[str, list[int]]:
+        """Run prompts to completion (tests, benchmarks); returns output ids per request."""
+        for rid, ids in prompts.items():
+            self.add_request(rid, ids, params)
+        outs: dict[str, list[int]] = {rid: [] for rid in prompts}
+        while self.has_work:
+            for ev in self.step():
+                if ev.token_id is not None:
+                    outs[ev.request_id].append(ev.token_id)
+                if ev.status.finished:
+                    self.release(ev.request_id)
+        return outs
+
+    # -- direct passes ----------------------------------------------------------------------
+    def forward(self, items: Sequence[ForwardItem], causal: bool = True) -> list[torch.Tensor]:
+        """One pass over several labelled caches; returns final hidden states per item.
+
+        Causal: each new token sees its cache and the new tokens before it. Non-causal: it
+        sees its whole cache and all new tokens of its item (a denoising block, a frame)."""
+        return run_direct(self.runner, self.cache, items, causal, self.dtype)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _abort_expired(self) -> list[SeqEvent]:
+        now = self.clock()
+        queued = [s for q in self.scheduler.waiting.values() for s in q]
+        expired = sorted({s.request_id for s in self.scheduler.running + queued
+                          if s.deadline is not None and s.deadline <= now})
+        for rid in expired:
+            self.release(rid)
+        return [SeqEvent(rid, None, SeqStatus.FINISHED_ABORTED) for rid in expired]
+
+    def _build(self, out: SchedulerOutput) -> StepInputs:
+        slices = [SeqSlice(c.seq.request_id, c.seq.label, c.start, c.num_tokens) for c in out.chunks]
+        graphs = self.runner.graphs
+        padded = graphs.prepare(slices) if graphs is not None and out.is_decode else None
+        return padded if padded is not None else build_step_inputs(self.cache, slices)
+
+    @torch.inference_mode()
+    def _launch(self, out: SchedulerOutput, inputs: StepInputs, token_ids: torch.Tensor) -> _Launched:
+        sampling = tuple(i for i, c in enumerate(out.chunks) if c.samples)
+        hidden = self.runner.run(inputs, token_ids=token_ids)
+        seqs = [out.chunks[i].seq for i in sampling]
+        params = [s.params for s in seqs]
+        histories = [s.token_ids for s in seqs] if any(p.repetition_penalty != 1 for p in params) else None
+        rows = h2d(inputs.last_rows()[list(sampling)], self.device)
+        tokens = self.sampler(self.model.compute_logits(hidden[rows]), params, histories,
+                              [self._generators.get(s.request_id) for s in seqs])
+        host, wait = _to_host_async(tokens)
+        self.stats.steps += 1
+        self.stats.graph_steps += int(self.runner.last_run_replayed)
+        self.stats.sampled_tokens += len(sampling)
+        return _Launched(out, sampling, tokens, host, wait)
+
+    def _launch_next(self, prev: _Launched) -> _Launched | None:
+        """Step N+1 from step N's tokens still on the device, or None when it cannot be
+        known without them (prefill chunks, waiting requests, repetition penalty) or when an
+        eager FlashInfer wrapper would have to be re-planned while step N still uses it."""
+        chunks = prev.out.chunks
+        if self.scheduler.num_waiting or len(prev.sampling) != len(chunks):
+            return None
+        if self.runner.graphs is None and self.runner.backend.name != "torch":
+            return None
+        keep = [i for i, c in enumerate(chunks) if c.seq.status is SeqStatus.RUNNING
+                and c.seq.num_output_tokens + 1 < c.seq.params.max_tokens]  # N's token is not its last
+        if not keep or any(chunks[i].seq.params.repetition_penalty != 1 for i in keep):
+            return None
+        nxt = tuple(ScheduledChunk(chunks[i].seq, chunks[i].start + chunks[i].num_tokens, 1, True) for i in keep)
+        try:
+            for c in nxt:
+                self.cache.reserve(c.seq.request_id, c.seq.label, c.start + 1)
+        except OutOfPages:
+            return None
+        out = SchedulerOutput(nxt)
+        ids = prev.tokens if len(keep) == len(chunks) else prev.tokens[h2d(torch.tensor(keep), self.device)]
+        launched = self._launch(out, self._build(out), ids)
+        self.stats.pipelined_steps += 1
+        return launched
+
+    def _complete(self, launched: _Launched) -> list[SeqEvent]:
+        """Commit the step's K/V and hand its tokens to the scheduler (after ``wait``)."""
+        out = launched.out
+        for c in out.chunks:
+            if c.seq.status is SeqStatus.RUNNING:  # not finished or released meanwhile
+                self.cache.commit(c.seq.request_id, c.seq.label, c.start + c.num_tokens)
+        sampled: list[int | None] = [None] * len(out.chunks)
+        for i, tok in zip(launched.sampling, launched.host.tolist(), strict=True):
+            sampled[i] = tok
+        return self.scheduler.update_from_output(out, sampled)
+
+
+def _to_host_async(tokens: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Start copying sampled tokens to the host; returns the host tensor and a wait."""
+    if tokens.device.type != "cuda":
+        return tokens, lambda: None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done.synchronize

@@ -1,0 +1,152 @@
+"""A Llama-architecture decoder on the paged KV cache, loadable from a Hugging Face
+Llama checkpoint directory (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from mstar.services.engines.attention import HeadShape
+from mstar.services.engines.kv_cache import KVCacheSpec
+from mstar.services.engines.layers import (
+    DecoderLayer,
+    ForwardContext,
+    GatedMLP,
+    PagedAttention,
+    RMSNorm,
+    RopeScaling,
+    RotaryEmbedding,
+)
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        HeadShape(self.num_heads, self.num_kv_heads, self.head_dim)  # validates GQA grouping
+
+    @property
+    def heads(self) -> HeadShape:
+        return HeadShape(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def kv_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> LlamaConfig:
+        """From a Hugging Face Llama config (transformers 4.x ``rope_scaling`` + ``rope_theta``
+        or 5.x ``rope_parameters``)."""
+        try:
+            heads = cfg["num_attention_heads"]
+            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type == "llama3":
+                scaling = RopeScaling(
+                    float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                    int(rope["original_max_position_embeddings"]),
+                )
+            elif rope_type == "default":
+                scaling = None
+            else:
+                raise ValueError(f"{source}: rope type '{rope_type}' is not supported. Known: default, llama3")
+            return cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                rope_theta=float(theta),
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> LlamaConfig:
+        f = Path(path) / "config.json"
+        return cls.from_hf(json.loads(f.read_text()), str(f))
+
+
+class LlamaBackbone(nn.Module):
+    """Embeddings -> decoder layers -> final norm (HF's ``model.`` subtree)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                PagedAttention(i, cfg.hidden_size, cfg.heads, rope, cfg.attention_bias, cfg.attention_bias),
+                GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias),
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            )
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = embeds
+        for layer in self.layers:
+            h = layer(h, positions, ctx)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The backbone plus an LM head. ``forward`` maps token ids or input embeddings
+    ([num_tokens] / [num_tokens, hidden], sequences concatenated) to final hidden states."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(embeds, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                        device: torch.device | str = "cpu") -> LlamaForCausalLM:
+        from mstar.services.engines.weights import load_checkpoint
+
+        cfg = LlamaConfig.from_dir(path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)  # RotaryEmbedding refills its fp32 inv_freq
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        load_checkpoint(model, path)
+        return model.requires_grad_(False).eval()

@@ -1,0 +1,62 @@
+"""Runs a decoder over the paged cache for one set of step inputs: plan attention once,
+embed, run the layers (or replay a captured CUDA graph for a padded decode batch)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from mstar.services.engines.attention import AttentionBackend, HeadShape
+from mstar.services.engines.batch import StepInputs
+from mstar.services.engines.kv_cache import PagedKVCache
+from mstar.services.engines.layers import ForwardContext
+
+
+class PagedDecoderConfig(Protocol):
+    num_layers: int
+    hidden_size: int
+
+    @property
+    def heads(self) -> HeadShape: ...
+
+
+class PagedDecoder(Protocol):
+    """What a model offers the KV-cache engine (``LlamaForCausalLM`` is one)."""
+
+    config: PagedDecoderConfig
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class ModelRunner:
+    def __init__(self, model: PagedDecoder, cache: PagedKVCache, backend: AttentionBackend, graphs=None):
+        self.model, self.cache, self.backend, self.graphs = model, cache, backend, graphs
+        self.device = cache.device
+        self.last_run_replayed = False  # whether the latest run() replayed a CUDA graph
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, token_ids: torch.Tensor | None = None,
+            embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [num_rows, hidden] of the step's token rows (padding dropped).
+
+        Give ``token_ids`` [num_rows] or ``embeds`` [num_rows, hidden] (multimodal inputs)."""
+        if (token_ids is None) == (embeds is None):
+            raise ValueError("give exactly one of token_ids and embeds")
+        if token_ids is not None:
+            token_ids = token_ids.to(self.device, non_blocking=True)
+        graph_ok = self.graphs is not None and token_ids is not None and inputs.attn.is_decode
+        self.last_run_replayed = graph_ok and inputs.padded_rows in self.graphs.batch_sizes
+        if self.last_run_replayed:
+            return self.graphs.replay(inputs, token_ids)
+        if embeds is None:
+            embeds = self.model.embed(token_ids)
+        n = inputs.num_rows
+        if inputs.padded_rows != n:
+            raise ValueError("padded step inputs without a captured graph")
+        self.backend.plan(inputs.attn)
+        ctx = ForwardContext(self.backend, self.cache.kv, inputs.attn.slots.to(self.device, non_blocking=True))
+        return self.model(embeds.to(self.device), inputs.positions.to(self.device, non_blocking=True), ctx)
