@@ -18,6 +18,7 @@ from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.transport import TensorReceiver, parse_protocol
 
+from mstar import metrics
 from mstar.config import Placement, load_config
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
@@ -29,28 +30,36 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     def __init__(self, table: RequestTable, max_inflight: int, default_timeout_s: float):
         self.table, self.max_inflight, self.default_timeout_s = table, max_inflight, default_timeout_s
         self.model = table.model
+        self.metrics = metrics.RequestMetrics(self.model.name, lambda: len(table.active), max_inflight)
 
     async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
         t0 = time.perf_counter()
         if request.model != self.model.name:
+            self.metrics.rejected("NOT_FOUND")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{request.model}'. Served: {self.model.name}")
         try:
             prompt = prompt_from_request(request)
             prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
             state = self.model.process_prompt(prompt)
         except (BadField, InvalidArgument) as e:
+            self.metrics.rejected("INVALID_ARGUMENT")
             await context.abort_with_status(invalid_argument_status(e.field, e.description))
         if len(self.table.active) >= self.max_inflight:
+            self.metrics.rejected("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"conductor is at its admission limit of {self.max_inflight} in-flight requests; retry later")
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.table.active:
+            self.metrics.rejected("ALREADY_EXISTS")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: '{rid}' is already in flight")
         process_s = time.perf_counter() - t0
         ar = ActiveRequest(rid, state, json.dumps(prompt.kwargs), t0)
         self.table.active[rid] = ar
         timeout = request.timeout_s or self.default_timeout_s
         counts: dict[str, int] = {}
+        self.metrics.started.inc()
+        clock = metrics.OutputClock(t0)
+        outcome = "CANCELLED"  # the client cancelled or went away, unless set below
         try:
             self.table.start_walk(ar, self.model.next_walk(state, None))
             while True:
@@ -68,11 +77,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                         break
                     index = counts.get(event.name, 0)
                     counts[event.name] = index + 1
-                    chunks.append(output_to_proto(event, index, time.perf_counter() - t0))
+                    now = time.perf_counter()
+                    clock.tick(self.metrics, event.modality.name.lower(), now)
+                    chunks.append(output_to_proto(event, index, now - t0))
                     if ar.events.empty():
                         break
                     event = ar.events.get_nowait()
                 if isinstance(end, Failure):
+                    outcome = end.code.name
                     if chunks:
                         yield cpb.GenerateResponse(request_id=rid, chunks=chunks)
                     await context.abort(end.code, end.message)
@@ -81,10 +93,19 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 yield cpb.GenerateResponse(request_id=rid, chunks=chunks)
             usage = cpb.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
                               walks=ar.walks_run, audio_seconds=ar.audio_seconds)
-            timings = cpb.Timings(first_output_s=ar.first_output_s, total_s=time.perf_counter() - t0, process_prompt_s=process_s)
+            total_s = time.perf_counter() - t0
+            timings = cpb.Timings(first_output_s=ar.first_output_s, total_s=total_s, process_prompt_s=process_s)
+            outcome = "OK"
+            self.metrics.finished(state.finish_reason, total_s, ar.audio_seconds)
             yield cpb.GenerateResponse(request_id=rid, chunks=chunks, final=cpb.FinalEvent(
                 usage=usage, timings=timings, finish_reason=state.finish_reason))
+        except Exception:
+            if outcome == "CANCELLED":  # not a Failure event: a bug here or in the model's state machine
+                outcome = "UNKNOWN"
+            raise
         finally:  # success, failure, timeout, cancel or client gone: everything is released
+            if outcome != "OK":
+                self.metrics.failed(outcome, ar.audio_seconds)
             self.table.release(ar)
             self.table.active.pop(rid, None)
 
@@ -153,17 +174,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--address", default="127.0.0.1:0")
     p.add_argument("--groups", required=True, help='JSON {"group": "host:port"} of every node group')
     p.add_argument("--tensor-comm-protocol", default="SHM")
+    p.add_argument("--cache-dir", default=None, help="where tokenizers/weights live")
     p.add_argument("--max-inflight", type=int, default=256, help="admission limit (RESOURCE_EXHAUSTED beyond)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout, seconds")
     p.add_argument("--log-level", default="INFO")
+    metrics.add_metrics_arg(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config)
-    model = create_model(config.model, config.model_kwargs)
+    model = create_model(config.model, config.model_kwargs, args.cache_dir)
+    model.prepare_conductor()
     table = RequestTable(model, Placement(config, model), json.loads(args.groups), parse_protocol(args.tensor_comm_protocol))
     server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout)
+    if args.metrics_port is not None:
+        log.info("conductor metrics on port %d", metrics.serve_metrics(args.address, args.metrics_port))
     await server.start()
     log.info("conductor serving model '%s' on port %d", model.name, port)
     stop = asyncio.Event()

@@ -20,6 +20,10 @@ class InvalidArgument(ValueError):
         self.description = message
 
 
+class MissingAssets(RuntimeError):
+    """Weights or tokenizers are not where the model looks; the message says where to put them."""
+
+
 @dataclass(frozen=True)
 class InputFile:
     name: str
@@ -177,8 +181,9 @@ class Model:
     name: ClassVar[str]
     nodes: ClassVar[tuple[GraphNode, ...]]
 
-    def __init__(self, model_kwargs: dict[str, Any] | None = None):
+    def __init__(self, model_kwargs: dict[str, Any] | None = None, cache_dir: str | None = None):
         self.model_kwargs = dict(model_kwargs or {})
+        self.cache_dir = cache_dir  # where weights live (HF cache or plain directories)
         self.walks: dict[str, Walk] = {w.name: w for w in self.build_walks()}
         node_map = {n.name: n for n in self.nodes}
         self.plans: dict[str, WalkPlan] = {name: plan_walk(w, node_map, self.walks) for name, w in self.walks.items()}
@@ -196,6 +201,18 @@ class Model:
     # -- graph ---------------------------------------------------------------------------
     def build_walks(self) -> list[Walk]:
         raise NotImplementedError
+
+    def check_assets(self) -> None:
+        """Raise with a message saying where to put them if weights/tokenizers are missing.
+        The launcher calls it before starting anything."""
+
+    def write_random_weights(self, directory: str) -> list[str]:
+        """Write a tiny random checkpoint in the real layout under ``directory`` (demo
+        mode); returns what was written. Models without weights write nothing."""
+        return []
+
+    def prepare_conductor(self) -> None:
+        """Load what the conductor side needs (tokenizers); called once at conductor start."""
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -84,8 +84,9 @@ class FixedChunks:
 
 @dataclass(frozen=True)
 class SlidingWindow:
-    """Every ``stride`` new items, the last ``window`` items (once ``window`` exist).
-    When the producer finishes, items not yet covered end in one last window."""
+    """Every ``stride`` new rows, the last ``window`` rows (once ``window`` exist). When
+    the producer finishes, one last window follows (``final``), holding any rows not yet
+    covered — possibly none, so that a consumer holding back look-ahead can flush."""
 
     window: int
     stride: int

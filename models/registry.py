@@ -12,6 +12,7 @@ from mstar.models.base import Model
 # name -> "module:Class"
 _REGISTRY: dict[str, str] = {
     "toy": "mstar.models.toy.model:ToyModel",
+    "orpheus": "mstar.models.orpheus.model:OrpheusModel",
 }
 
 _MODELS_DIR = Path(__file__).resolve().parent
@@ -43,8 +44,8 @@ def model_class(name: str) -> type[Model]:
     return getattr(importlib.import_module(module), cls)
 
 
-def create_model(name: str, model_kwargs: dict[str, Any] | None = None) -> Model:
-    return model_class(name)(model_kwargs)
+def create_model(name: str, model_kwargs: dict[str, Any] | None = None, cache_dir: str | None = None) -> Model:
+    return model_class(name)(model_kwargs, cache_dir)
 
 
 def default_config_path(name: str) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mstar.config import ConfigError, Placement, load_config
 from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
+from mstar.models.base import MissingAssets
 from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
 from mstar.services.transport import parse_protocol
 
@@ -20,6 +21,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="conductor gRPC port (0: any free port)")
     p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1")
     p.add_argument("--cache-dir", help="directory holding model weights (Hugging Face layout or HF cache)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="demo mode: serve a tiny RANDOM checkpoint written in the real layout (no real weights needed; "
+                        "output is noise)")
     p.add_argument("--tensor-comm-protocol", default="SHM", help="SHM (same host, default), TCP (inline bytes) or RDMA")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
@@ -36,10 +40,17 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
                 bad = [r for r in g.ranks if r >= len(gpus)]
                 if bad:
                     raise ConfigError(f"node group '{g.name}': ranks {bad} but --gpus lists only {len(gpus)} device(s)")
-        opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, args.cache_dir,
+        cache_dir = args.cache_dir
+        if args.random_weights:
+            cache_dir = cache_dir or str(Path.home() / ".cache" / "mstar" / "random-weights")
+            written = create_model(config.model, config.model_kwargs, cache_dir).write_random_weights(cache_dir)
+            print(f"mstar: WARNING: --random-weights: serving a tiny RANDOM '{config.model}' checkpoint from {cache_dir} "
+                  f"({'written now: ' + ', '.join(written) if written else 'already there'}); its output is noise, "
+                  f"not speech", file=sys.stderr, flush=True)
+        opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout)
         return run_forever(Mesh(config, opts))
-    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets) as e:
         print(f"mstar: {e}", file=sys.stderr)
         return 2
 

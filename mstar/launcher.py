@@ -62,7 +62,9 @@ class Mesh:
 
     def __init__(self, config: PlacementConfig, opts: LaunchOptions):
         self.config, self.opts = config, opts
-        Placement(config, create_model(config.model, config.model_kwargs))  # fail fast on a bad config
+        model = create_model(config.model, config.model_kwargs, opts.cache_dir)
+        Placement(config, model)  # fail fast on a bad config...
+        model.check_assets()  # ...or missing weights, with a message saying where to put them
         self.shm_prefix = f"mstar-{os.getpid()}-"
         h = opts.host
         groups = {g.name: f"{h}:{free_port(h)}" for g in config.node_groups}
@@ -83,7 +85,8 @@ class Mesh:
         self.services.append(Service("conductor", "conductor", self.conductor_address, [
             py, "-m", "mstar.conductor", "--config", cfg, "--address", self.conductor_address,
             "--groups", json.dumps(groups), "--tensor-comm-protocol", opts.protocol, "--log-level", lvl,
-            "--max-inflight", str(opts.max_inflight), "--request-timeout", str(opts.request_timeout_s)]))
+            "--max-inflight", str(opts.max_inflight), "--request-timeout", str(opts.request_timeout_s),
+            *(["--cache-dir", opts.cache_dir] if opts.cache_dir else [])]))
         self.services.append(Service("gateway", "gateway", f"{h}:{http_port}", [
             py, "-m", "mstar.gateway", "--conductor", self.conductor_address, "--host", h,
             "--port", str(http_port), "--log-level", lvl, "--request-timeout", str(opts.request_timeout_s)]))

@@ -44,18 +44,20 @@ class InProcessMesh:
 
 
 @contextlib.asynccontextmanager
-async def inprocess_mesh(config: PlacementConfig, protocol: Protocol = Protocol.TCP, **conductor_kw):
+async def inprocess_mesh(config: PlacementConfig, protocol: Protocol = Protocol.TCP, cache_dir: str | None = None,
+                         **conductor_kw):
     addrs = {g: f"127.0.0.1:{_port()}" for g in config.group_names}
     conductor_address = f"127.0.0.1:{_port()}"
     groups: dict[str, NodeGroupServer] = {}
     conductor = None
     try:
         for g in config.group_names:
-            model = create_model(config.model, config.model_kwargs)
+            model = create_model(config.model, config.model_kwargs, cache_dir)
             runtime = NodeGroupRuntime(g, model, Placement(config, model), addrs, conductor_address, protocol)
             groups[g] = NodeGroupServer(addrs[g], runtime)
             await groups[g].start()
-        model = create_model(config.model, config.model_kwargs)
+        model = create_model(config.model, config.model_kwargs, cache_dir)
+        model.prepare_conductor()
         table = RequestTable(model, Placement(config, model), addrs, protocol)
         conductor = ConductorServer(conductor_address, table, **conductor_kw)
         await conductor.start()

@@ -25,6 +25,8 @@ def test_sliding_window_first_window_then_every_stride():
     got = cut(SlidingWindow(window=4, stride=2), 9)
     assert got == [(0, 0, 0, False, [0, 1, 2, 3]), (1, 2, 4, False, [2, 3, 4, 5]), (2, 4, 6, False, [4, 5, 6, 7]),
                    (3, 5, 8, True, [5, 6, 7, 8])]
+    # ending exactly on a stride: the last window has no new rows but still comes, marked final
+    assert cut(SlidingWindow(window=4, stride=2), 6)[-1] == (2, 2, 6, True, [2, 3, 4, 5])
     # shorter than one window: one final chunk with everything
     assert cut(SlidingWindow(window=28, stride=7), 5) == [(0, 0, 0, True, [0, 1, 2, 3, 4])]
     # every item is "new" in exactly one chunk

@@ -214,7 +214,7 @@ class KVCacheEngine:
         sampling = tuple(i for i, c in enumerate(out.chunks) if c.samples)
         hidden = self.runner.run(inputs, token_ids=token_ids)
         seqs = [out.chunks[i].seq for i in sampling]
-        params = [s.params for s in seqs]
+        params = [s.params.at_output(s.num_output_tokens) for s in seqs]
         histories = [s.token_ids for s in seqs] if any(p.repetition_penalty != 1 for p in params) else None
         rows = h2d(inputs.last_rows()[list(sampling)], self.device)
         tokens = self.sampler(self.model.compute_logits(hidden[rows]), params, histories,
@@ -236,7 +236,8 @@ class KVCacheEngine:
             return None
         keep = [i for i, c in enumerate(chunks) if c.seq.status is SeqStatus.RUNNING
                 and c.seq.num_output_tokens + 1 < c.seq.params.max_tokens]  # N's token is not its last
-        if not keep or any(chunks[i].seq.params.repetition_penalty != 1 for i in keep):
+        if not keep or any(chunks[i].seq.params.repetition_penalty != 1 or chunks[i].seq.params.allowed_token_cycle
+                           for i in keep):  # these need step N's tokens on the host
             return None
         nxt = tuple(ScheduledChunk(chunks[i].seq, chunks[i].start + chunks[i].num_tokens, 1, True) for i in keep)
         try:

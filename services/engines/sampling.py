@@ -9,7 +9,7 @@ reproducible whatever else shares the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import torch
@@ -27,6 +27,9 @@ class SamplingParams:
     allowed_token_ranges: tuple[tuple[int, int], ...] = ()  # half-open [a, b); empty means all
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16
+    # per-output-position ranges: output i may only be drawn from allowed_token_cycle[i % len]
+    # (interleaved codebooks, e.g. Orpheus' 7 SNAC code positions); replaces allowed_token_ranges
+    allowed_token_cycle: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -46,6 +49,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def at_output(self, index: int) -> SamplingParams:
+        """The parameters that draw output number ``index`` (resolves allowed_token_cycle)."""
+        if not self.allowed_token_cycle:
+            return self
+        ranges = self.allowed_token_cycle[index % len(self.allowed_token_cycle)]
+        return replace(self, allowed_token_ranges=ranges, allowed_token_cycle=())
 
 
 class FinishReason(IntEnum):

@@ -17,6 +17,7 @@ from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.streams import Chunker
 
+from mstar import metrics
 from mstar.config import Placement
 from mstar.v1 import node_group_pb2 as pb
 
@@ -32,6 +33,7 @@ class RequestFailed(Exception):
 class Router:
     def __init__(self, group: str, model: Model, placement: Placement, links: Links):
         self.group, self.model, self.placement, self.links = group, model, placement, links
+        self._local_edges = metrics.EdgeMetrics(group, group)
         host = placement.host
         self.local: dict[str, tuple[str, ...]] = {}
         self.owner_loops: dict[str, frozenset[str]] = {}
@@ -84,6 +86,8 @@ class Router:
             if persisted:
                 req.persist_sent[target] = req.persist_sent.get(target, 0) + 1
             if target == self.group:
+                if value is not None:
+                    self._local_edges.sent(name, "local", value.numel() * value.element_size(), 0.0)
                 self.accept(req, inst, dst, name, iteration, value, done, self._local_spawn)
             else:
                 frame = self._frame(inst, req, K.FRAME_KIND_DATA, node=dst, edge=name, iteration=iteration, done=done)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.router import RequestFailed, Router
 from mstar.services.transport import Protocol, TensorReceiver
 
+from mstar import metrics
 from mstar.config import Placement
 from mstar.v1 import node_group_pb2 as pb
 
@@ -70,9 +72,11 @@ class NodeGroupRuntime:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{group}-forward")
         self.engines = {n: s for n, s in self.submodules.items() if isinstance(s, EngineNode)}
+        self._engine_releases: list[str] = []
         self._in_engine: dict[int, tuple[NodeCall, RequestCtx, WalkInstance, str]] = {}  # id(call) -> call, where, node
         self.steps = 0  # batches executed
         self.calls = 0  # node calls executed (calls / steps = mean batch size)
+        self.metrics = metrics.GroupMetrics(group, lambda: sum(map(len, list(self.ready.values()))), lambda: len(self.requests))
 
     # -- frames in -----------------------------------------------------------------------
     def on_batch(self, batch: pb.FrameBatch, receiver: TensorReceiver, acks: list[int]) -> None:
@@ -199,6 +203,10 @@ class NodeGroupRuntime:
         engine submissions, then one step of every engine that has work."""
         loop = asyncio.get_running_loop()
         while True:
+            for rid in self._engine_releases:  # engines are only touched between their steps
+                for engine in self.engines.values():
+                    engine.release(rid)
+            self._engine_releases.clear()
             picked = self._next_batch()
             if picked is not None:
                 (walk, node), batch = picked
@@ -209,10 +217,12 @@ class NodeGroupRuntime:
                         self._in_engine[id(call)] = (call, req, inst, node)
                         engine.submit(call)
                 elif calls:
+                    t0 = time.perf_counter()
                     outputs = await self._execute(loop, node, calls)
                     self._update(node, live, calls, outputs)
                     self.steps += 1
                     self.calls += len(calls)
+                    self.metrics.step(node, len(calls), time.perf_counter() - t0)
             stepped = False
             for node, engine in self.engines.items():
                 if engine.has_work:
@@ -225,6 +235,7 @@ class NodeGroupRuntime:
             await asyncio.sleep(0)  # let arriving frames in between steps
 
     async def _engine_step(self, loop, node: str, engine: EngineNode) -> None:
+        t0 = time.perf_counter()
         try:
             done = await loop.run_in_executor(self._executor, engine.step) if engine.blocking else engine.step()
         except Exception as e:
@@ -241,6 +252,7 @@ class NodeGroupRuntime:
         self.steps += 1
         self.calls += len(calls)
         self._update(node, live, calls, outputs)
+        self.metrics.step(node, len(calls), time.perf_counter() - t0)
 
     # -- execute -------------------------------------------------------------------------
     def _calls(self, walk: str, node: str, batch: list[Pending]):
@@ -310,8 +322,12 @@ class NodeGroupRuntime:
         if len(self.released) > MAX_TOMBSTONES:
             self.released.popitem(last=False)
         if self.requests.pop(request_id, None) is not None:
-            for sub in self.submodules.values():
-                sub.release(request_id)
+            for node, sub in self.submodules.items():
+                if node in self.engines:
+                    self._engine_releases.append(request_id)
+                    self._wake.set()
+                else:
+                    sub.release(request_id)
             for key in [k for k, (c, *_) in self._in_engine.items() if c.request_id == request_id]:
                 del self._in_engine[key]
         self.links.forget(request_id)

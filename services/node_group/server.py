@@ -13,6 +13,7 @@ from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.transport import TensorReceiver, parse_protocol
 
+from mstar import metrics
 from mstar.config import Placement, load_config
 from mstar.v1 import node_group_pb2, node_group_pb2_grpc
 
@@ -74,16 +75,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--log-level", default="INFO")
+    metrics.add_metrics_arg(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config)
-    model = create_model(config.model, config.model_kwargs)
+    model = create_model(config.model, config.model_kwargs, args.cache_dir)
     placement = Placement(config, model)
     runtime = NodeGroupRuntime(args.group, model, placement, json.loads(args.peers), args.conductor,
                                parse_protocol(args.tensor_comm_protocol), args.device, args.cache_dir)
+    for sub in runtime.submodules.values():
+        if callable(getattr(sub, "kv_stats", None)):
+            metrics.watch_kv(args.group, sub.kv_stats)
     server, port = create_server(args.address, runtime)
+    if args.metrics_port is not None:
+        log.info("node group '%s' metrics on port %d", args.group, metrics.serve_metrics(args.address, args.metrics_port))
     await server.start()
     log.info("node group '%s' serving %s on port %d", args.group, ", ".join(runtime.submodules), port)
     stop = asyncio.Event()

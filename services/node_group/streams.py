@@ -63,7 +63,7 @@ class Chunker:
             while self.count >= p.window and self.count - self.covered >= (p.stride if self.chunks else p.window):
                 end = self.covered + (p.stride if self.chunks else p.window)
                 out.append(self._emit(max(0, end - p.window), end, final=False))
-            if final and self.count > self.covered:
+            if final and self.count:  # always a last window, so a look-ahead consumer can flush
                 out.append(self._emit(max(0, self.count - p.window), self.count, final=True))
             self._trim(max(0, self.covered - p.window))
         elif isinstance(p, LeftContext):

@@ -95,3 +95,12 @@ def test_stop_and_max_tokens():
 def test_bad_params_say_what_is_wrong(kw):
     with pytest.raises(ValueError, match=f"SamplingParams.{next(iter(kw))}"):
         SamplingParams(**kw)
+
+
+def test_allowed_token_cycle_follows_the_output_position():
+    from mstar.services.engines.sampling import SamplingParams
+    p = SamplingParams(allowed_token_cycle=(((0, 2),), ((5, 7), (9, 10))))
+    assert p.at_output(0).allowed_token_ranges == ((0, 2),)
+    assert p.at_output(3).allowed_token_ranges == ((5, 7), (9, 10))
+    assert p.at_output(3).allowed_token_cycle == ()
+    assert SamplingParams().at_output(5) == SamplingParams()

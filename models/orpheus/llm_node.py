@@ -1,0 +1,139 @@
+"""The Orpheus LLM node: a KV-cache engine behind the EngineNode interface.
+
+A ``prefill`` call adds the request to the engine and completes with the first sampled
+token. Each ``decode`` iteration completes with the next token; the engine decodes every
+running request each step (continuous batching), so a token may be ready before its
+iteration asks for it — it waits in a small per-request buffer. Each iteration also
+streams the audio code of the token it was given, validated for its frame position;
+tokens that are not a valid code there are dropped without advancing the position, as
+the official Orpheus decoder does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from pathlib import Path
+
+import torch
+from mstar.models.base import EngineNode, NodeCall, NodeContext
+from mstar.models.orpheus.tokens import (
+    AUDIO_TOKEN_OFFSET,
+    CODES_PER_POSITION,
+    END_OF_SPEECH,
+    TOKENS_PER_FRAME,
+)
+from mstar.services.engines.kv_engine import EngineConfig, KVCacheEngine
+from mstar.services.engines.llama import LlamaForCausalLM
+from mstar.services.engines.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+NO_CODE = torch.empty(0, dtype=torch.int64)
+# Sampling follows SNAC's interleaving: output i is a code of frame position i % 7, or the
+# end of speech. A trained Orpheus nearly always picks such a token anyway; this makes
+# every token count (and random demo weights produce audio at the token rate).
+CODE_CYCLE = tuple(((AUDIO_TOKEN_OFFSET + p * CODES_PER_POSITION, AUDIO_TOKEN_OFFSET + (p + 1) * CODES_PER_POSITION),
+                    (END_OF_SPEECH, END_OF_SPEECH + 1)) for p in range(TOKENS_PER_FRAME))
+
+
+def engine_config(ctx: NodeContext) -> EngineConfig:
+    kw = ctx.model_kwargs
+    cpu = not ctx.device.startswith("cuda")
+    return EngineConfig(
+        page_size=int(kw.get("page_size", 16)),
+        kv_cache_bytes=kw.get("kv_cache_bytes", 256 << 20 if cpu else None),
+        gpu_memory_fraction=float(kw.get("gpu_memory_fraction", 0.85)),
+        max_num_seqs=int(kw.get("max_num_seqs", 128)),
+        max_num_batched_tokens=int(kw.get("max_num_batched_tokens", 4096)),
+        cuda_graphs=bool(kw.get("cuda_graphs", True)),
+    )
+
+
+class OrpheusLLM(EngineNode):
+    def __init__(self, checkpoint: Path, ctx: NodeContext):
+        dtype = torch.bfloat16 if ctx.device.startswith("cuda") else torch.float32
+        model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=ctx.device)
+        self.engine = KVCacheEngine(model, engine_config(ctx))
+        self.cycle = CODE_CYCLE if ctx.model_kwargs.get("constrain_codes", True) else ()
+        self.pending: dict[str, NodeCall] = {}
+        self.buffered: dict[str, deque[int]] = {}
+        self.finished: set[str] = set()
+        self.ready: list[tuple[NodeCall, dict | Exception]] = []
+        log.info("orpheus llm loaded from %s on %s (%s)", checkpoint, ctx.device, dtype)
+
+    # -- EngineNode ----------------------------------------------------------------------
+    def submit(self, call: NodeCall) -> None:
+        rid = call.request_id
+        if call.walk == "prefill":
+            kw = call.kwargs
+            params = SamplingParams(temperature=float(kw["temperature"]), top_p=float(kw["top_p"]),
+                                    repetition_penalty=float(kw["repetition_penalty"]), seed=kw["seed"],
+                                    stop_token_ids=(END_OF_SPEECH,), max_tokens=int(kw["max_tokens"]),
+                                    allowed_token_cycle=self.cycle)
+            self.engine.add_request(rid, call.inputs["prompt_ids"].tolist(), params, key=("llm", "prefill"))
+            self.pending[rid] = call
+            return
+        buf = self.buffered.get(rid)
+        if buf:
+            self.ready.append((call, self._outputs(call, buf.popleft())))
+        elif rid in self.finished:  # the engine stopped (stop token / max_tokens): end the loop
+            self.ready.append((call, self._outputs(call, END_OF_SPEECH)))
+        else:
+            self.pending[rid] = call
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.ready) or self.engine.has_work
+
+    def step(self) -> list[tuple[NodeCall, dict | Exception]]:
+        done, self.ready = self.ready, []
+        if not self.engine.has_work:
+            return done
+        for ev in self.engine.step():
+            rid = ev.request_id
+            if ev.status.finished:
+                self.finished.add(rid)
+            call = self.pending.pop(rid, None)
+            if ev.token_id is None:  # aborted inside the engine (its timeout)
+                if call is not None:
+                    done.append((call, RuntimeError(f"request {rid} was aborted by the KV-cache engine")))
+                continue
+            if call is None:
+                self.buffered.setdefault(rid, deque()).append(ev.token_id)
+            else:
+                done.append((call, self._outputs(call, ev.token_id)))
+        return done
+
+    def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:
+        # Iteration i streams the token it was given and returns the next one; the engine
+        # ends at end-of-speech or max_tokens, after which `submit` answers END_OF_SPEECH —
+        # so the loop stops only once the last real token has been streamed.
+        return int(outputs["token"][0]) == END_OF_SPEECH
+
+    def release(self, request_id: str) -> None:
+        self.engine.release(request_id)
+        self.pending.pop(request_id, None)
+        self.buffered.pop(request_id, None)
+        self.finished.discard(request_id)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _outputs(self, call: NodeCall, token: int) -> dict[str, torch.Tensor]:
+        out = {"token": torch.tensor([token], dtype=torch.int64)}
+        if call.walk == "decode":
+            out["code"] = self._code(call, int(call.inputs["token"][0]))
+        return out
+
+    @staticmethod
+    def _code(call: NodeCall, token: int) -> torch.Tensor:
+        n = call.state.get("codes", 0)
+        code = token - AUDIO_TOKEN_OFFSET - (n % TOKENS_PER_FRAME) * CODES_PER_POSITION
+        if not 0 <= code < CODES_PER_POSITION:
+            return NO_CODE
+        call.state["codes"] = n + 1
+        return torch.tensor([code], dtype=torch.int64)
+
+    @property
+    def kv_stats(self) -> tuple[int, int]:
+        """(pages used, pages free) of the paged KV cache."""
+        alloc = self.engine.cache.allocator
+        return alloc.num_used, alloc.num_free

@@ -1,0 +1,177 @@
+"""Orpheus TTS: a Llama-3.2-3B speech LLM emitting SNAC codes, and the SNAC 24 kHz decoder.
+
+Walks:
+- ``prefill``: the LLM reads the prompt and samples the first token (kept for ``decode``);
+- ``decode``: a Loop over the LLM, one token per iteration, ending at end-of-speech or
+  ``max_tokens``; every valid audio code streams to the SNAC decoder over a sliding
+  window of 28 codes (4 frames) advancing 7 (1 frame);
+- ``snac_chunk``: one window -> the PCM of the frames it completes -> the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from mstar.models.base import (
+    Emit,
+    InvalidArgument,
+    MissingAssets,
+    Model,
+    NodeContext,
+    NodeSubmodule,
+    Output,
+    Prompt,
+    RequestState,
+    WalkSeed,
+)
+from mstar.models.graph import (
+    EMIT_TO_CLIENT,
+    INPUT,
+    EngineType,
+    GraphEdge,
+    GraphNode,
+    Loop,
+    Modality,
+    PartitionTopology,
+    SlidingWindow,
+    StreamingGraphEdge,
+    Walk,
+)
+from mstar.models.orpheus.checkpoint import (
+    CheckpointError,
+    load_tokenizer,
+    open_checkpoint,
+    resolve_checkpoint,
+)
+from mstar.models.orpheus.tokens import VOICES, build_prompt_ids
+
+SAMPLE_RATE = 24_000
+DEFAULT_LLM = "canopylabs/orpheus-3b-0.1-ft"
+DEFAULT_SNAC = "hubertsiuzdak/snac_24khz"
+MAX_DECODE_ITERS = 8192
+WEIGHTS_HELP = ("put the Hugging Face snapshots in --cache-dir (HF cache layout models--org--name/snapshots/..., "
+                "or plain <cache-dir>/org/name directories), or serve with --random-weights for a tiny random demo "
+                "checkpoint")
+
+# per-request knobs: name -> (type check, range check, default, description)
+_KNOBS: dict[str, tuple[Any, Any, Any, str]] = {
+    "temperature": ((int, float), lambda v: 0 <= v <= 2, 0.6, "a number in [0, 2]"),
+    "top_p": ((int, float), lambda v: 0 < v <= 1, 0.8, "a number in (0, 1]"),
+    "repetition_penalty": ((int, float), lambda v: 1 <= v <= 2, 1.3, "a number in [1, 2]"),
+    "max_tokens": (int, lambda v: 1 <= v <= MAX_DECODE_ITERS, 1200, f"an integer in [1, {MAX_DECODE_ITERS}]"),
+    "seed": (int, lambda v: 0 <= v < 2**63, None, "a non-negative integer"),
+    "voice": (str, lambda v: v in VOICES, "tara", f"one of {', '.join(VOICES)}"),
+}
+
+
+class OrpheusModel(Model):
+    name = "orpheus"
+    nodes = (GraphNode("llm", EngineType.KV_CACHE), GraphNode("snac_decoder"))
+
+    def build_walks(self) -> list[Walk]:
+        return [
+            Walk("prefill", "llm", [
+                GraphEdge(INPUT, "llm", "prompt_ids"),
+                GraphEdge("llm", "llm", "token", persist=True),  # the first sampled token, for decode
+            ]),
+            Walk("decode", Loop("llm", max_iters=MAX_DECODE_ITERS, stop_node="llm", name="tokens"), [
+                GraphEdge(INPUT, "llm", "token"),
+                GraphEdge("llm", "llm", "token"),
+                StreamingGraphEdge("llm", "snac_decoder", "code", policy=SlidingWindow(window=28, stride=7),
+                                   topology=PartitionTopology("decode", "snac_chunk")),
+            ]),
+            Walk("snac_chunk", "snac_decoder", [
+                GraphEdge(INPUT, "snac_decoder", "code"),
+                GraphEdge("snac_decoder", EMIT_TO_CLIENT, "audio", modality=Modality.AUDIO),
+            ]),
+        ]
+
+    # -- assets --------------------------------------------------------------------------
+    def checkpoint_dirs(self):
+        kw = self.model_kwargs
+        return (resolve_checkpoint(kw.get("llm", DEFAULT_LLM), cache_dir=self.cache_dir),
+                resolve_checkpoint(kw.get("snac", DEFAULT_SNAC), cache_dir=self.cache_dir))
+
+    def check_assets(self) -> None:
+        try:
+            llm, _ = self.checkpoint_dirs()
+            open_checkpoint(llm)
+        except CheckpointError as e:
+            raise MissingAssets(f"orpheus: {e}; {WEIGHTS_HELP}") from None
+
+    def write_random_weights(self, directory: str) -> list[str]:
+        from pathlib import Path
+
+        from mstar.models.orpheus.demo_checkpoint import DemoSpec, write_random_llm, write_random_snac
+
+        spec, root, written = DemoSpec(), Path(directory), []
+        llm = root / self.model_kwargs.get("llm", DEFAULT_LLM)
+        snac = root / self.model_kwargs.get("snac", DEFAULT_SNAC)
+        if not (llm / "config.json").exists():
+            write_random_llm(llm, spec)
+            written.append(str(llm))
+        if not (snac / "config.json").exists():
+            write_random_snac(snac, spec.snac, seed=spec.seed)
+            written.append(str(snac))
+        return written
+
+    def prepare_conductor(self) -> None:
+        llm, _ = self.checkpoint_dirs()
+        self._tokenizer = load_tokenizer(open_checkpoint(llm))
+
+    # -- conductor side ------------------------------------------------------------------
+    def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key not in _KNOBS:
+                raise InvalidArgument(f"model_kwargs.{key}", f"unknown key; allowed: {', '.join(sorted(_KNOBS))}")
+            types, ok, _, what = _KNOBS[key]
+            if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
+                raise InvalidArgument(f"model_kwargs.{key}", f"must be {what}, got {value!r}")
+            out[key] = value
+        for key, (_, _, default, _) in _KNOBS.items():
+            out.setdefault(key, default)
+        return out
+
+    def process_prompt(self, prompt: Prompt) -> RequestState:
+        if not prompt.text.strip():
+            raise InvalidArgument("text", "must not be empty")
+        if not hasattr(self, "_tokenizer"):
+            self.prepare_conductor()
+        encode = lambda s: self._tokenizer.encode(s).ids  # noqa: E731
+        ids = build_prompt_ids(encode, prompt.text, prompt.kwargs["voice"])
+        limit = int(self.model_kwargs.get("max_seq_len", 4096)) - prompt.kwargs["max_tokens"]
+        if len(ids) > limit:
+            raise InvalidArgument("text", f"prompt is {len(ids)} tokens; with max_tokens={prompt.kwargs['max_tokens']} "
+                                          f"at most {limit} fit")
+        state = RequestState(prompt, prompt_tokens=len(ids))
+        state.data["prompt_ids"] = torch.tensor(ids, dtype=torch.int64)
+        return state
+
+    def next_walk(self, state: RequestState, finished: str | None) -> WalkSeed | None:
+        if finished is None:
+            return WalkSeed("prefill", {"prompt_ids": state.data["prompt_ids"]})
+        if finished == "prefill":
+            return WalkSeed("decode")
+        return None
+
+    def postprocess(self, state: RequestState, emit: Emit) -> list[Output]:
+        samples = emit.tensor
+        if samples.numel() == 0:
+            return []
+        state.completion_tokens += samples.numel() // 2048 * 7  # audio codes decoded (7 per 2048-sample frame)
+        pcm = (samples.clamp(-1, 1) * 32767).to(torch.int16).numpy().tobytes()  # truncation, as Orpheus does
+        return [Output("audio", Modality.AUDIO, data=pcm, mime_type="audio/pcm", sample_rate_hz=SAMPLE_RATE,
+                       audio_seconds=samples.numel() / SAMPLE_RATE)]
+
+    # -- node-group side -----------------------------------------------------------------
+    def create_submodule(self, ctx: NodeContext) -> NodeSubmodule:
+        llm, snac = self.checkpoint_dirs()
+        if ctx.node == "llm":
+            from mstar.models.orpheus.llm_node import OrpheusLLM
+
+            return OrpheusLLM(llm, ctx)
+        from mstar.models.orpheus.snac_node import SnacNode
+
+        return SnacNode(snac, ctx)

@@ -1,0 +1,73 @@
+"""The SNAC decoder node: one sliding window of codes in, the PCM of the frames it
+completes out.
+
+Windows hold 28 codes (4 frames) and advance one frame. A frame is emitted once it has
+two frames of right context — frame f-2 of the window ending at frame f, i.e. samples
+2048:4096 of a full window, exactly what the official Orpheus decoder keeps. Unlike
+the official decoder, the first window also emits frame 0, and the last window (sent
+when generation ends) flushes the final frames, so the audio covers every frame.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from mstar.models.base import NodeCall, NodeContext, NodeSubmodule
+from mstar.models.orpheus.snac import load_snac_decoder
+from mstar.models.orpheus.streaming import code_tensors
+from mstar.models.orpheus.tokens import TOKENS_PER_FRAME
+
+RIGHT_CONTEXT_FRAMES = 2
+
+
+class SnacNode(NodeSubmodule):
+    blocking = True
+
+    def __init__(self, checkpoint: Path, ctx: NodeContext):
+        self.device = ctx.device
+        self.decoder = load_snac_decoder(checkpoint, device=ctx.device)
+        self.samples_per_frame = self.decoder.config.samples_per_frame
+
+    def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
+        plans = [self._plan(c) for c in calls]
+        # windows with the same number of frames decode together in one batch
+        by_frames: dict[int, list[int]] = {}
+        for i, p in enumerate(plans):
+            if p is not None:
+                by_frames.setdefault(len(p[0]) // TOKENS_PER_FRAME, []).append(i)
+        audio: dict[int, torch.Tensor] = {}
+        with torch.inference_mode():
+            for idx in by_frames.values():
+                levels = [code_tensors(plans[i][0], self.device) for i in idx]
+                batch = [torch.cat([lv[k] for lv in levels]) for k in range(3)]
+                out = self.decoder.decode(batch)
+                for row, i in enumerate(idx):
+                    audio[i] = out[row, 0]
+        spf = self.samples_per_frame
+        results = []
+        for i, p in enumerate(plans):
+            if p is None:
+                results.append({"audio": torch.empty(0)})
+                continue
+            _, lo, hi = p
+            results.append({"audio": audio[i][lo * spf : hi * spf].float().cpu()})
+        return results
+
+    @staticmethod
+    def _plan(call: NodeCall) -> tuple[list[int], int, int] | None:
+        """(window codes, first and end frame to emit, relative to the window) or None."""
+        chunk = call.chunk
+        assert chunk is not None, "snac_decoder runs in chunk walks only"
+        codes = call.inputs["code"].tolist()
+        skip = (-chunk.start) % TOKENS_PER_FRAME  # align a short last window on a frame boundary
+        codes = codes[skip:]
+        first = (chunk.start + skip) // TOKENS_PER_FRAME
+        frames = len(codes) // TOKENS_PER_FRAME
+        codes = codes[: frames * TOKENS_PER_FRAME]
+        start = call.state.get("next_frame", 0)
+        end = first + frames if chunk.final else first + frames - RIGHT_CONTEXT_FRAMES
+        if frames == 0 or end <= start:
+            return None
+        call.state["next_frame"] = end
+        return codes, start - first, end - first

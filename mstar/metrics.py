@@ -1,0 +1,262 @@
+"""Every Prometheus metric M* exports, in one place.
+
+Names follow Prometheus conventions: ``mstar_`` prefix, base units in the name
+(``_seconds``, ``_bytes``), ``_total`` on counters, histograms for latencies. Each
+service process uses the default registry: the gateway serves it on ``GET /metrics`` of
+its HTTP port, the conductor and node groups on ``--metrics-port`` (``serve_metrics``).
+
+Hot paths never resolve labels: each service builds a small object below once (per
+model, group or link) that holds the labelled children, so an observation is a method
+call on a cached child. Gauges that mirror a size (in-flight requests, queue depth) are
+read at scrape time (``set_function``) and cost nothing in between.
+
+KV-cache engines feed ``kv_pages(group, used, free)`` and ``kv_preempted(group, n)``;
+alternatively a node submodule may expose ``kv_stats() -> {"pages_used": int,
+"pages_free": int, "preemptions": int}`` (preemptions cumulative) and the node-group
+service reads it at every scrape (``watch_kv``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+#: seconds: 1 ms .. 5 min, for request-scale latencies
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: seconds: 50 µs .. 2.5 s, for engine steps and gaps between streamed chunks
+STEP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: wall seconds per audio second (below 1: faster than real time)
+RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+# -- conductor: request lifecycle (label model = the served model) -----------------------
+REQUESTS_STARTED = Counter("mstar_requests_started", "Requests admitted by the conductor", ["model"])
+REQUESTS_FINISHED = Counter("mstar_requests_finished", "Admitted requests that ended successfully, by finish reason",
+                            ["model", "finish_reason"])
+REQUESTS_FAILED = Counter("mstar_requests_failed", "Admitted requests that ended with an error, by gRPC status code name "
+                          "(CANCELLED: cancelled or the client went away)", ["model", "code"])
+REQUESTS_REJECTED = Counter("mstar_requests_rejected", "Requests refused before admission, by gRPC status code name "
+                            "(INVALID_ARGUMENT, RESOURCE_EXHAUSTED at the admission limit, NOT_FOUND, ALREADY_EXISTS)",
+                            ["model", "code"])
+REQUESTS_INFLIGHT = Gauge("mstar_requests_inflight", "Admitted requests not yet ended (the conductor's queue depth)", ["model"])
+INFLIGHT_LIMIT = Gauge("mstar_requests_inflight_limit", "The conductor's admission limit (--max-inflight)", ["model"])
+REQUEST_DURATION = Histogram("mstar_request_duration_seconds", "End-to-end time of requests that finished OK, "
+                             "from arrival at the conductor to the final event", ["model"], buckets=LATENCY_BUCKETS)
+FIRST_OUTPUT = Histogram("mstar_time_to_first_output_seconds", "Time from arrival to a request's first output of each "
+                         "modality (text: first token, audio: first chunk, image: the image)", ["model", "modality"],
+                         buckets=LATENCY_BUCKETS)
+INTER_CHUNK = Histogram("mstar_inter_chunk_seconds", "Time between consecutive outputs of one modality within a request",
+                        ["model", "modality"], buckets=STEP_BUCKETS)
+AUDIO_OUTPUT = Counter("mstar_audio_output_seconds", "Seconds of audio sent to clients", ["model"])
+AUDIO_RTF = Histogram("mstar_audio_real_time_factor", "Per request with audio that finished OK: wall seconds from arrival "
+                      "to the end divided by audio seconds produced (below 1: faster than real time)", ["model"],
+                      buckets=RTF_BUCKETS)
+
+# -- gateway: HTTP --------------------------------------------------------------------------
+HTTP_REQUESTS = Counter("mstar_gateway_requests", "HTTP requests answered by the gateway, by route and status code",
+                        ["route", "method", "code"])
+HTTP_DURATION = Histogram("mstar_gateway_request_duration_seconds", "Time to answer an HTTP request, body streamed "
+                          "to the end included", ["route"], buckets=LATENCY_BUCKETS)
+HTTP_INFLIGHT = Gauge("mstar_gateway_inflight_requests", "HTTP requests being answered", ["route"])
+
+# -- node groups (label group = the YAML node group) ------------------------------------------
+BATCH_SIZE = Histogram("mstar_node_group_batch_size", "Calls per executed batch (engine nodes: calls an engine step completed)", ["group", "node"],
+                       buckets=BATCH_BUCKETS)
+STEP_TIME = Histogram("mstar_node_group_step_seconds", "Time of one batch or engine step, routing of its outputs "
+                      "included", ["group", "node"], buckets=STEP_BUCKETS)
+BUSY = Counter("mstar_node_group_busy_seconds", "Seconds spent executing steps; rate() is the busy fraction", ["group"])
+QUEUE_DEPTH = Gauge("mstar_node_group_queue_depth", "Node calls ready and waiting for a batch", ["group"])
+GROUP_INFLIGHT = Gauge("mstar_node_group_inflight_requests", "Requests the node group holds state for", ["group"])
+
+# -- edges: tensors leaving a service (src, dst: service names; edge: the graph edge name) ----
+EDGE_LABELS = ["src", "dst", "edge", "transport"]
+EDGE_TENSORS = Counter("mstar_edge_tensors", "Tensors handed to a transport (local: colocated hand-over, inline: bytes "
+                       "inside the gRPC frame, shm: shared memory)", EDGE_LABELS)
+EDGE_BYTES = Counter("mstar_edge_bytes", "Tensor payload bytes handed to a transport", EDGE_LABELS)
+EDGE_SECONDS = Counter("mstar_edge_transfer_seconds", "Sender-side seconds spent handing tensors to the transport "
+                       "(serialising inline, copying into shared memory; 0 for local)", EDGE_LABELS)
+
+
+# -- KV cache: pushed by engines or read from submodules at scrape time -----------------------
+class _KvCollector:
+    """mstar_kv_pages_used / _free (gauges) and mstar_kv_preemptions_total, by group."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pages: dict[str, tuple[int, int]] = {}
+        self._preemptions: dict[str, float] = {}
+        self._sources: dict[str, list[Callable[[], Mapping[str, int]]]] = {}
+
+    def pages(self, group: str, used: int, free: int) -> None:
+        self._pages[group] = (used, free)
+
+    def preempted(self, group: str, n: int) -> None:
+        with self._lock:
+            self._preemptions[group] = self._preemptions.get(group, 0) + n
+
+    def watch(self, group: str, source: Callable[[], Mapping[str, int]]) -> None:
+        with self._lock:
+            self._sources.setdefault(group, []).append(source)
+            self._preemptions.setdefault(group, 0)
+
+    def collect(self):
+        used = GaugeMetricFamily("mstar_kv_pages_used", "KV-cache pages holding sequences", labels=["group"])
+        free = GaugeMetricFamily("mstar_kv_pages_free", "KV-cache pages free", labels=["group"])
+        pre = CounterMetricFamily("mstar_kv_preemptions", "Sequences preempted (pages freed, recomputed later)",
+                                  labels=["group"])
+        with self._lock:
+            pages, preemptions = dict(self._pages), dict(self._preemptions)
+            sources = {g: list(s) for g, s in self._sources.items()}
+        for group, fns in sources.items():
+            stats = [fn() for fn in fns]
+            pages[group] = (sum(s["pages_used"] for s in stats), sum(s["pages_free"] for s in stats))
+            preemptions[group] = preemptions.get(group, 0) + sum(s.get("preemptions", 0) for s in stats)
+        for group, (u, f) in pages.items():
+            used.add_metric([group], u)
+            free.add_metric([group], f)
+        for group, n in preemptions.items():
+            pre.add_metric([group], n)
+        return [used, free, pre]
+
+    def describe(self):
+        return []  # names are checked against the registry at first collect; no clash possible
+
+
+_KV = _KvCollector()
+REGISTRY.register(_KV)
+
+
+def kv_pages(group: str, used: int, free: int) -> None:
+    """An engine reports its page pool (call after each step or on change)."""
+    _KV.pages(group, used, free)
+
+
+def kv_preempted(group: str, n: int = 1) -> None:
+    """An engine preempted ``n`` sequences."""
+    _KV.preempted(group, n)
+
+
+def watch_kv(group: str, source: Callable[[], Mapping[str, int]]) -> None:
+    """Read ``source()`` (a submodule's ``kv_stats``) at every scrape."""
+    _KV.watch(group, source)
+
+
+# -- per-service helpers with cached children ---------------------------------------------------
+class RequestMetrics:
+    """The conductor's request metrics for one served model."""
+
+    def __init__(self, model: str, inflight: Callable[[], int], limit: int):
+        self.model = model
+        self.started = REQUESTS_STARTED.labels(model)
+        self.duration = REQUEST_DURATION.labels(model)
+        self.audio = AUDIO_OUTPUT.labels(model)
+        self.rtf = AUDIO_RTF.labels(model)
+        self._first: dict[str, Histogram] = {}
+        self._gap: dict[str, Histogram] = {}
+        self._finished: dict[str, Counter] = {}
+        self._failed: dict[str, Counter] = {}
+        REQUESTS_INFLIGHT.labels(model).set_function(inflight)
+        INFLIGHT_LIMIT.labels(model).set(limit)
+
+    def rejected(self, code: str) -> None:
+        REQUESTS_REJECTED.labels(self.model, code).inc()  # rare: no cache needed
+
+    def output(self, modality: str, first_s: float | None, gap_s: float | None) -> None:
+        if first_s is not None:
+            h = self._first.get(modality) or self._first.setdefault(modality, FIRST_OUTPUT.labels(self.model, modality))
+            h.observe(first_s)
+        if gap_s is not None:
+            h = self._gap.get(modality) or self._gap.setdefault(modality, INTER_CHUNK.labels(self.model, modality))
+            h.observe(gap_s)
+
+    def finished(self, finish_reason: str, total_s: float, audio_s: float) -> None:
+        c = self._finished.get(finish_reason) or self._finished.setdefault(
+            finish_reason, REQUESTS_FINISHED.labels(self.model, finish_reason))
+        c.inc()
+        self.duration.observe(total_s)
+        if audio_s > 0:
+            self.audio.inc(audio_s)
+            self.rtf.observe(total_s / audio_s)
+
+    def failed(self, code: str, audio_s: float) -> None:
+        c = self._failed.get(code) or self._failed.setdefault(code, REQUESTS_FAILED.labels(self.model, code))
+        c.inc()
+        if audio_s > 0:
+            self.audio.inc(audio_s)
+
+
+class OutputClock:
+    """Per request: when each modality last produced an output (first output, gaps)."""
+
+    __slots__ = ("t0", "last")
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.last: dict[str, float] = {}
+
+    def tick(self, m: RequestMetrics, modality: str, now: float) -> None:
+        last = self.last.get(modality)
+        self.last[modality] = now
+        if last is None:
+            m.output(modality, now - self.t0, None)
+        else:
+            m.output(modality, None, now - last)
+
+
+class GroupMetrics:
+    """A node group's step metrics."""
+
+    def __init__(self, group: str, queue_depth: Callable[[], int], inflight: Callable[[], int]):
+        self.group = group
+        self.busy = BUSY.labels(group)
+        self._nodes: dict[str, tuple[Histogram, Histogram]] = {}
+        QUEUE_DEPTH.labels(group).set_function(queue_depth)
+        GROUP_INFLIGHT.labels(group).set_function(inflight)
+
+    def step(self, node: str, calls: int, seconds: float) -> None:
+        pair = self._nodes.get(node)
+        if pair is None:
+            pair = self._nodes[node] = (BATCH_SIZE.labels(self.group, node), STEP_TIME.labels(self.group, node))
+        if calls:  # an engine step may complete no call (a prefill chunk): no batch to count
+            pair[0].observe(calls)
+        pair[1].observe(seconds)
+        self.busy.inc(seconds)
+
+
+class EdgeMetrics:
+    """Tensors one service sends to one peer (or hands over locally)."""
+
+    def __init__(self, src: str, dst: str):
+        self.src, self.dst = src, dst
+        self._children: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
+
+    def _get(self, edge: str, transport: str):
+        key = (edge, transport)
+        c = self._children.get(key)
+        if c is None:
+            labels = (self.src, self.dst, edge, transport)
+            c = self._children[key] = (EDGE_TENSORS.labels(*labels), EDGE_BYTES.labels(*labels), EDGE_SECONDS.labels(*labels))
+        return c
+
+    def sent(self, edge: str, transport: str, nbytes: int, seconds: float) -> None:
+        tensors, nb, secs = self._get(edge, transport)
+        tensors.inc()
+        nb.inc(nbytes)
+        if seconds:
+            secs.inc(seconds)
+
+
+def serve_metrics(address: str, port: int) -> int:
+    """Serve the default registry on ``http://<host of address>:port/metrics`` (a daemon thread;
+    port 0 picks a free one); returns the bound port. ``address`` is the service's ``host:port``."""
+    host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+    httpd, _ = start_http_server(port, addr=host)
+    return httpd.server_port
+
+
+def add_metrics_arg(parser) -> None:
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port at /metrics (0: any free port; default: off)")
