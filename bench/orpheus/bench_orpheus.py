@@ -1,0 +1,201 @@
+"""Orpheus TTS on one GPU: M* (the real mesh: node group + conductor processes, gRPC
+streaming) against transformers `generate` (static cache) + SNAC decode, in one run.
+
+Full-size architectures with random bf16 weights (Llama-3.2-3B shape, Orpheus vocab
+156940; SNAC 24 kHz). Both sides sample with the same knobs and the same SNAC
+code-position constraint, so every token is a valid code and audio = tokens / 7 frames.
+
+    python bench/orpheus/bench_orpheus.py --out $OUT/orpheus.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from mstar.config import load_config
+from mstar.launcher import LaunchOptions, Mesh
+from mstar.models.orpheus.demo_checkpoint import write_random_snac
+from mstar.models.orpheus.demo_tokenizer import build_demo_tokenizer
+from mstar.models.orpheus.llm_node import CODE_CYCLE
+from mstar.models.orpheus.snac import load_snac_decoder
+from mstar.models.orpheus.snac_config import SnacConfig
+from mstar.models.orpheus.streaming import code_tensors
+from mstar.models.orpheus.tokens import AUDIO_TOKEN_OFFSET, CODES_PER_POSITION, TOKENS_PER_FRAME
+from mstar.services.links import CHANNEL_OPTIONS
+from mstar.v1 import conductor_pb2 as cpb
+from mstar.v1 import conductor_pb2_grpc
+
+SNAC_24K = SnacConfig(sampling_rate=24000, encoder_dim=48, encoder_rates=(2, 4, 8, 8), decoder_dim=1024,
+                      decoder_rates=(8, 8, 4, 2), attn_window_size=None, codebook_size=4096, codebook_dim=8,
+                      vq_strides=(4, 2, 1), noise=True, depthwise=True)
+KNOBS = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.1, "voice": "tara"}
+TEXT = "Hey there, this is a quick test of streaming speech synthesis on one GPU."
+REAL_TIME_TOKENS_PER_S = 24000 / 2048 * TOKENS_PER_FRAME  # 82.03
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}  # --tiny: a CPU smoke run of this script
+
+
+def write_checkpoints(root: Path, tiny: bool) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = TINY if tiny else {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+                               "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128}
+    cfg = LlamaConfig(vocab_size=156940, **shape, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                      bos_token_id=128000, eos_token_id=128258)
+    llm = root / "canopylabs" / "orpheus-3b-0.1-ft"
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(llm, safe_serialization=True)
+    del model
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    build_demo_tokenizer().save(str(llm / "tokenizer.json"))
+    snac = SNAC_24K if not tiny else SnacConfig(**{**SNAC_24K.to_dict(), "decoder_dim": 64, "encoder_dim": 4})
+    write_random_snac(root / "hubertsiuzdak" / "snac_24khz", snac)
+
+
+# -- M* ------------------------------------------------------------------------------------
+async def stream(stub, i: int, max_tokens: int) -> dict:
+    req = cpb.GenerateRequest(model="orpheus", text=TEXT, model_kwargs_json=json.dumps({**KNOBS, "max_tokens": max_tokens, "seed": i}))
+    t0 = time.perf_counter()
+    first, samples = None, 0
+    async for r in stub.Generate(req, timeout=600):
+        for c in r.chunks:
+            if c.name == "audio" and c.data:
+                first = first or time.perf_counter() - t0
+                samples += len(c.data) // 2
+    total = time.perf_counter() - t0
+    audio_s = samples / 24000
+    return {"ttfa_s": first, "total_s": total, "audio_s": audio_s, "rtf": total / audio_s if audio_s else None}
+
+
+async def mstar_level(address: str, streams: int, max_tokens: int) -> dict:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = conductor_pb2_grpc.ConductorStub(ch)
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(stream(stub, i, max_tokens) for i in range(streams)))
+        wall = time.perf_counter() - t0
+    ttfa = sorted(r["ttfa_s"] for r in res)
+    rtf = sorted(r["rtf"] for r in res)
+    audio = sum(r["audio_s"] for r in res)
+    return {"system": "mstar", "streams": streams, "wall_s": wall, "audio_s_total": audio,
+            "audio_s_per_s": audio / wall, "ttfa_p50_s": statistics.median(ttfa), "ttfa_max_s": ttfa[-1],
+            "rtf_p50": statistics.median(rtf), "rtf_max": rtf[-1], "all_real_time": rtf[-1] < 1.0}
+
+
+# -- baseline --------------------------------------------------------------------------------
+class CycleMask:
+    """The same SNAC code-position constraint, as a transformers logits processor."""
+
+    def __init__(self, prompt_len: int, vocab: int):
+        self.prompt_len = prompt_len
+        self.masks = []
+        for ranges in CODE_CYCLE:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=DEVICE)
+            for a, b in ranges:
+                keep[a:b] = True
+            self.masks.append(~keep)
+
+    def __call__(self, input_ids, scores):
+        return scores.masked_fill(self.masks[(input_ids.shape[1] - self.prompt_len) % TOKENS_PER_FRAME], float("-inf"))
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def baseline_level(model, snac, prompt_ids: list[int], streams: int, max_tokens: int) -> dict:
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor([prompt_ids] * streams, device=DEVICE)
+    kw = dict(do_sample=True, temperature=KNOBS["temperature"], top_p=KNOBS["top_p"],
+              repetition_penalty=KNOBS["repetition_penalty"], cache_implementation="static", eos_token_id=None,
+              pad_token_id=0, attention_mask=torch.ones_like(ids))
+    model.generate(ids, max_new_tokens=16, logits_processor=LogitsProcessorList([CycleMask(ids.shape[1], 156940)]), **kw)
+    sync()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                         logits_processor=LogitsProcessorList([CycleMask(ids.shape[1], 156940)]), **kw)
+    sync()
+    t_gen = time.perf_counter() - t0
+    new = out[:, ids.shape[1]:].tolist()
+    frames = max_tokens // TOKENS_PER_FRAME
+    codes = [[t - AUDIO_TOKEN_OFFSET - (j % 7) * CODES_PER_POSITION for j, t in enumerate(row[: frames * 7])] for row in new]
+    assert all(0 <= c < CODES_PER_POSITION for row in codes for c in row), "baseline produced invalid codes"
+    with torch.inference_mode():
+        levels = [code_tensors(row, DEVICE) for row in codes]
+        audio = snac.decode([torch.cat([lv[k] for lv in levels]) for k in range(3)])
+    sync()
+    total = time.perf_counter() - t0
+    audio_s = audio.shape[-1] / 24000
+    return {"system": "transformers_static+snac", "streams": streams, "wall_s": total, "generate_s": t_gen,
+            "audio_s_total": audio_s * streams, "audio_s_per_s": audio_s * streams / total,
+            "ttfa_p50_s": total, "rtf_p50": total / audio_s, "all_real_time": total / audio_s < 1.0,
+            "note": "not streaming: first audio arrives when the whole batch is done"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-tokens", type=int, default=434)  # 62 frames, 5.3 s of audio per stream
+    ap.add_argument("--streams", default="1,8,16,32,64,96,128,160")
+    ap.add_argument("--baseline-streams", default="1,8,16,32,64")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks this script, measures nothing")
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "knobs": KNOBS,
+              "max_tokens": args.max_tokens, "real_time_tokens_per_s": REAL_TIME_TOKENS_PER_S, "mstar": [], "baseline": []}
+    root = Path(tempfile.mkdtemp(prefix="orpheus-bench-"))
+    t = time.perf_counter()
+    write_checkpoints(root, args.tiny)
+    result["checkpoint_write_s"] = time.perf_counter() - t
+    cfg_path = root / "orpheus.yaml"
+    cfg_path.write_text(json.dumps({"model": "orpheus", "max_seq_len": 4096,
+                                    "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256,
+                                                     **({"kv_cache_bytes": 64 << 20} if DEVICE == "cpu" else {})},
+                                    "node_groups": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"], "ranks": [0]}]}))
+    mesh = Mesh(load_config(cfg_path), LaunchOptions(cfg_path, port=0, grpc_port=0, gpus=[0] if DEVICE == "cuda" else None,
+                                                     cache_dir=str(root),
+                                                     log_level="WARNING", startup_timeout_s=300))
+    t = time.perf_counter()
+    mesh.start()
+    result["mesh_start_s"] = time.perf_counter() - t
+    try:
+        asyncio.run(mstar_level(mesh.conductor_address, 4, 64))  # warm-up
+        for n in [int(x) for x in args.streams.split(",")]:
+            r = asyncio.run(mstar_level(mesh.conductor_address, n, args.max_tokens))
+            print(json.dumps(r), flush=True)
+            result["mstar"].append(r)
+    finally:
+        mesh.stop()
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(root / "canopylabs" / "orpheus-3b-0.1-ft", dtype=torch.bfloat16).to(DEVICE).eval()
+    snac = load_snac_decoder(root / "hubertsiuzdak" / "snac_24khz", device=DEVICE)
+    tok = build_demo_tokenizer()
+    from mstar.models.orpheus.tokens import build_prompt_ids
+
+    prompt = build_prompt_ids(lambda s: tok.encode(s).ids, TEXT, KNOBS["voice"])
+    for n in [int(x) for x in args.baseline_streams.split(",")]:
+        r = baseline_level(model, snac, prompt, n, args.max_tokens)
+        print(json.dumps(r), flush=True)
+        result["baseline"].append(r)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
