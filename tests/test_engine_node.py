@@ -6,7 +6,6 @@ import asyncio
 import grpc
 import pytest
 import torch
-from helpers import collect, run, wait_released
 
 from mstar import wire
 from mstar.config import parse_config
@@ -15,6 +14,8 @@ from mstar.models.graph import EMIT_TO_CLIENT, INPUT, EngineType, GraphEdge, Gra
 from mstar.models.registry import register
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
+
+from helpers import collect, run, wait_released
 
 ENGINES: list["CountingEngine"] = []
 

@@ -1,6 +1,8 @@
 """Walk Graph validation, placement validation and the registry's errors."""
 
 import pytest
+
+from mstar.config import ConfigError, Placement, parse_config
 from mstar.models.base import Model
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
@@ -18,8 +20,6 @@ from mstar.models.graph import (
 )
 from mstar.models.plan import EdgeKind
 from mstar.models.registry import UnknownModel, create_model, model_class
-
-from mstar.config import ConfigError, Placement, parse_config
 
 
 def make(walks, nodes=("a", "b", "c")):

@@ -3,16 +3,17 @@ learns it by LOOP_END; carried values, exits and persisted values cross groups."
 
 import pytest
 import torch
-from helpers import collect, run, wait_released
+
+from mstar import wire
+from mstar.config import parse_config
 from mstar.models.base import Model, NodeSubmodule, Output, RequestState, WalkSeed
 from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Loop, Modality, Sequential, Walk
 from mstar.models.registry import register
 from mstar.services.transport import Protocol
-
-from mstar import wire
-from mstar.config import parse_config
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
+
+from helpers import collect, run, wait_released
 
 
 class Fn(NodeSubmodule):

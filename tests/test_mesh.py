@@ -7,12 +7,13 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import collect, request, rot13, run, text_of, wait_released
-from mstar.services.transport import Protocol
 
 from mstar.env import settings
+from mstar.services.transport import Protocol
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
+
+from helpers import collect, request, rot13, run, text_of, wait_released
 
 PROMPT = "Hello, World. How are you?"
 

@@ -1,6 +1,7 @@
 """Chunk policies cut streams exactly as documented."""
 
 import torch
+
 from mstar.models.graph import FixedChunks, LeftContext, SlidingWindow
 from mstar.services.node_group.streams import Chunker
 

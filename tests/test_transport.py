@@ -4,11 +4,11 @@ import glob
 
 import pytest
 import torch
-from mstar.services.transport import TensorReceiver
-from mstar.services.transport.shm import SHM_MIN_BYTES, ShmSender
 
 from mstar import wire
 from mstar.env import settings
+from mstar.services.transport import TensorReceiver
+from mstar.services.transport.shm import SHM_MIN_BYTES, ShmSender
 from mstar.v1 import tensor_pb2 as pb
 
 

@@ -7,12 +7,13 @@ import wave
 
 import grpc
 import pytest
-from helpers import collect, run, wait_released
 
 from mstar.config import load_config
 from mstar.models.registry import create_model
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
+
+from helpers import collect, run, wait_released
 
 CONFIGS = "models/orpheus/configs"
 
