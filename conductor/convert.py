@@ -7,9 +7,9 @@ import json
 import grpc
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from mstar.models.base import InputFile, Output, Prompt
 
 from mstar import wire
+from mstar.models.base import InputFile, Output, Prompt
 from mstar.v1 import conductor_pb2 as cpb
 
 MODALITY = {1: cpb.MODALITY_TEXT, 2: cpb.MODALITY_IMAGE, 3: cpb.MODALITY_AUDIO, 4: cpb.MODALITY_ACTION, 5: cpb.MODALITY_LATENT}

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+
+from mstar.config import Placement
 from mstar.models.base import Emit, Model, Output, RequestState, WalkSeed
 from mstar.models.graph import INPUT
 from mstar.services.links import Links
 from mstar.services.transport import Protocol, TensorReceiver
-
-from mstar.config import Placement
 from mstar.v1 import node_group_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -11,15 +11,15 @@ import time
 import uuid
 
 import grpc
+
+from mstar import metrics
 from mstar.conductor.convert import BadField, invalid_argument_status, output_to_proto, prompt_from_request
 from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
+from mstar.config import Placement, load_config
 from mstar.models.base import InvalidArgument
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.transport import TensorReceiver, parse_protocol
-
-from mstar import metrics
-from mstar.config import Placement, load_config
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
 from mstar.models.graph import EMIT_TO_CLIENT, GraphError, GraphNode, Modality, Walk
 from mstar.models.plan import WalkPlan, plan_walk
 

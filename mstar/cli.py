@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mstar.config import ConfigError, Placement, load_config
+from mstar.deploy import cli as deploy_cli
 from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
 from mstar.models.base import MissingAssets
 from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
@@ -28,6 +29,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
     p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout in seconds")
+    p.add_argument("--envoy", action="store_true", help="also run an Envoy front proxy fed by the xDS control plane")
+    p.add_argument("--envoy-port", type=int, default=10000, help="Envoy's port for REST and gRPC (0: any free port)")
 
 
 def _launch(args: argparse.Namespace, config_path: Path) -> int:
@@ -48,7 +51,8 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
                   f"({'written now: ' + ', '.join(written) if written else 'already there'}); its output is noise, "
                   f"not speech", file=sys.stderr, flush=True)
         opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
-                             args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout)
+                             args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
+                             envoy=args.envoy, envoy_port=args.envoy_port)
         return run_forever(Mesh(config, opts))
     except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets) as e:
         print(f"mstar: {e}", file=sys.stderr)
@@ -62,9 +66,12 @@ def main(argv=None) -> None:
     serve.add_argument("model", help=f"model name ({', '.join(known_models())})")
     _serve_args(serve)
     sub.add_parser("models", help="list registered models")
+    deploy_cli.add_parser(sub)
     check = sub.add_parser("check-config", help="validate a placement YAML against its model")
     check.add_argument("config")
     args = p.parse_args(argv)
+    if args.cmd == "deploy":
+        sys.exit(deploy_cli.main(args))
     if args.cmd == "models":
         print("\n".join(known_models()))
         sys.exit(0)

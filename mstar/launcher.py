@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,8 @@ class LaunchOptions:
     request_timeout_s: float = 300.0
     startup_timeout_s: float = 120.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    envoy: bool = False  # also run the xDS control plane and an Envoy front proxy
+    envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
 
 
 def free_port(host: str) -> int:
@@ -55,6 +58,8 @@ class Service:
     address: str
     argv: list[str]
     proc: subprocess.Popen | None = None
+    metrics_port: int | None = None  # Prometheus /metrics (the gateway serves it on its HTTP port)
+    probe: Callable[[], bool] | None = None  # health check, when neither gRPC health nor GET /health
 
 
 class Mesh:
@@ -90,12 +95,23 @@ class Mesh:
         self.services.append(Service("gateway", "gateway", f"{h}:{http_port}", [
             py, "-m", "mstar.gateway", "--conductor", self.conductor_address, "--host", h,
             "--port", str(http_port), "--log-level", lvl, "--request-timeout", str(opts.request_timeout_s)]))
+        self.proxy = None
+        if opts.envoy:
+            from mstar.xds.local import FrontProxy
+
+            self.proxy = FrontProxy(self.services, h, opts.envoy_port, python=py, log_level=lvl,
+                                    request_timeout_s=opts.request_timeout_s, max_inflight=opts.max_inflight)
+            self.services += self.proxy.services
+        for s in self.services:
+            if s.kind not in ("gateway", "envoy"):
+                s.metrics_port = free_port(h)
+                s.argv += ["--metrics-port", str(s.metrics_port)]
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:
         env = {**os.environ, "MSTAR_SHM_PREFIX": self.shm_prefix, **self.opts.extra_env}
         try:
-            for kind in ("node_group", "conductor", "gateway"):
+            for kind in ("node_group", "conductor", "gateway", "xds", "envoy"):
                 batch = [s for s in self.services if s.kind == kind]
                 for s in batch:
                     s.proc = subprocess.Popen(s.argv, env=env, stdin=subprocess.DEVNULL)
@@ -118,6 +134,8 @@ class Mesh:
 
     @staticmethod
     def _healthy(s: Service) -> bool:
+        if s.probe is not None:
+            return s.probe()
         if s.kind == "gateway":
             try:
                 with urllib.request.urlopen(f"http://{s.address}/health", timeout=1) as r:
@@ -140,7 +158,7 @@ class Mesh:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Gateway first, node groups last: each drains in-flight work, then exits."""
-        for kind in ("gateway", "conductor", "node_group"):
+        for kind in ("envoy", "xds", "gateway", "conductor", "node_group"):
             batch = [s for s in self.services if s.kind == kind and s.proc is not None and s.proc.poll() is None]
             for s in batch:
                 s.proc.send_signal(signal.SIGTERM)
@@ -152,6 +170,8 @@ class Mesh:
                     s.proc.kill()
                     s.proc.wait()
         self.cleanup_shm()
+        if self.proxy is not None:
+            self.proxy.cleanup()
 
     def cleanup_shm(self) -> list[str]:
         """Remove shared-memory segments any of this mesh's services left behind."""
@@ -165,8 +185,21 @@ class Mesh:
 
     def describe(self) -> str:
         groups = [s.name for s in self.services if s.kind == "node_group"]
-        return (f"M* ready: model '{self.config.model}' at {self.url} (gRPC {self.conductor_address}; "
-                f"{len(groups)} node group(s): {', '.join(groups)})")
+        lines = [f"M* ready: model '{self.config.model}' at {self.url} (gRPC {self.conductor_address}; "
+                 f"{len(groups)} node group(s): {', '.join(groups)})",
+                 f"M* metrics: {json.dumps(self.metrics_urls())}"]
+        if self.proxy is not None:
+            lines.append(self.proxy.describe())
+        return "\n".join(lines)
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Where Prometheus scrapes each service (Envoy: its admin interface)."""
+        urls = {s.name: f"http://{s.address.rsplit(':', 1)[0]}:{s.metrics_port}/metrics"
+                for s in self.services if s.metrics_port is not None}
+        urls["gateway"] = f"{self.url}/metrics"
+        if self.proxy is not None and self.proxy.admin_url:
+            urls["envoy"] = f"{self.proxy.admin_url}/stats/prometheus"
+        return urls
 
 
 def run_forever(mesh: Mesh) -> int:

@@ -21,8 +21,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: Prometheus does not need them and they double the output
 
 #: seconds: 1 ms .. 5 min, for request-scale latencies
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -79,6 +81,10 @@ EDGE_BYTES = Counter("mstar_edge_bytes", "Tensor payload bytes handed to a trans
 EDGE_SECONDS = Counter("mstar_edge_transfer_seconds", "Sender-side seconds spent handing tensors to the transport "
                        "(serialising inline, copying into shared memory; 0 for local)", EDGE_LABELS)
 
+# -- the xDS control plane -----------------------------------------------------------------------
+XDS_ENDPOINTS = Gauge("mstar_xds_endpoints", "Endpoints the control plane publishes, by cluster and health",
+                      ["cluster", "health"])
+XDS_PUSHES = Counter("mstar_xds_pushes", "Discovery responses sent to Envoy, by resource type", ["type"])
 
 # -- KV cache: pushed by engines or read from submodules at scrape time -----------------------
 class _KvCollector:

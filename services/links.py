@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
 import torch
-from mstar.services.transport import Protocol, TensorSender, make_sender
 
+from mstar import metrics
+from mstar.services.transport import Protocol, TensorSender, make_sender
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class Link:
         self._task: asyncio.Task | None = None
         self._tensors: TensorSender | None = None
         self._requests: set[str] = set()
+        self._edges = metrics.EdgeMetrics(sender_name, peer)
         self.up = False
         self.last_error = ""
 
@@ -53,7 +56,10 @@ class Link:
             self._start()
         assert self._tensors is not None
         for name, t in tensors:
-            self._tensors.encode_into(frame.tensors.add(), name, t)
+            msg, t0 = frame.tensors.add(), time.perf_counter()
+            self._tensors.encode_into(msg, name, t)
+            self._edges.sent(name, "shm" if msg.HasField("shm") else "inline", t.numel() * t.element_size(),
+                             time.perf_counter() - t0)
         if frame.request_id:
             self._requests.add(frame.request_id)
         self._queue.put_nowait(frame)

@@ -101,7 +101,7 @@ def test_engine_node_batches_across_requests_and_releases():
     async def go():
         async with inprocess_mesh(CFG) as mesh:
             res = await asyncio.gather(*(collect(mesh.stub, req(s, n=5)) for s in range(6)))
-            for s, (out, final) in enumerate(res):
+            for s, (out, _final) in enumerate(res):
                 assert [wire.from_proto(c.tensor).item() for c in out["tok"]] == [i * 10 + s for i in range(5)]
             engine = ENGINES[-1]
             assert max(engine.batch_sizes) > 1  # requests shared steps

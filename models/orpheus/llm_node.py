@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
+
 from mstar.models.base import EngineNode, NodeCall, NodeContext
 from mstar.models.orpheus.tokens import (
     AUDIO_TOKEN_OFFSET,

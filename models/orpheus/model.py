@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from mstar.models.base import (
     Emit,
     InvalidArgument,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from mstar.models.base import NodeCall, NodeContext, NodeSubmodule
 from mstar.models.orpheus.snac import load_snac_decoder
 from mstar.models.orpheus.streaming import code_tensors

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import torch
+
 from mstar.models.base import (
     Emit,
     InvalidArgument,

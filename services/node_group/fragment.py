@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from mstar.models.base import ChunkInfo
 from mstar.models.plan import WalkPlan
 from mstar.services.node_group.streams import Chunker

@@ -10,15 +10,15 @@ from collections.abc import Callable
 
 import grpc
 import torch
+
+from mstar import metrics
+from mstar.config import Placement
 from mstar.models.base import Model, NodeCall, NodeSubmodule
 from mstar.models.graph import StreamingGraphEdge
 from mstar.models.plan import EdgeKind
 from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.streams import Chunker
-
-from mstar import metrics
-from mstar.config import Placement
 from mstar.v1 import node_group_pb2 as pb
 
 K = pb.FrameKind

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+
+from mstar import metrics
+from mstar.config import Placement
 from mstar.models.base import EngineNode, Model, NodeCall, NodeContext
 from mstar.models.graph import INPUT
 from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.router import RequestFailed, Router
 from mstar.services.transport import Protocol, TensorReceiver
-
-from mstar import metrics
-from mstar.config import Placement
 from mstar.v1 import node_group_pb2 as pb
 
 log = logging.getLogger(__name__)

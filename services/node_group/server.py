@@ -8,13 +8,12 @@ import json
 import logging
 import signal
 
+from mstar import metrics
+from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.transport import TensorReceiver, parse_protocol
-
-from mstar import metrics
-from mstar.config import Placement, load_config
 from mstar.v1 import node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger("mstar.node_group")

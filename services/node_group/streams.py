@@ -8,6 +8,7 @@ Policies count rows. Only the rows a future chunk can still need are kept.
 from __future__ import annotations
 
 import torch
+
 from mstar.models.base import ChunkInfo
 from mstar.models.graph import ChunkPolicy, FixedChunks, LeftContext, SlidingWindow
 

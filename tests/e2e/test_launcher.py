@@ -16,10 +16,11 @@ import urllib.request
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import rot13
 
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
+
+from helpers import rot13
 
 pytestmark = pytest.mark.e2e
 READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")

@@ -1,0 +1,131 @@
+"""The services of a placement as containers: one per node group, the conductor, the gateway,
+the xDS control plane and Envoy. ``compose.py`` and ``k8s.py`` render the same topology.
+
+Inside a container every service binds fixed ports on 0.0.0.0 and names its peers by DNS
+name (compose service or Kubernetes Service), so tensors travel inline over TCP (shared
+memory does not cross containers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from mstar.config import PlacementConfig
+
+CONFIG_PATH = "/etc/mstar/placement.yaml"
+TARGETS_DIR = "/etc/mstar/xds"  # a directory: a file dropped in registers more targets
+NODE_PORT = 7000
+CONDUCTOR_PORT = 50051
+GATEWAY_PORT = 8000
+METRICS_PORT = 9100
+XDS_PORT = 18000
+ENVOY_PORT = 10000
+ENVOY_ADMIN_PORT = 9901
+#: the gateway answers /health with 503 this long after SIGTERM, before it closes: > 2 polls
+DRAIN_DELAY_S = 5.0
+XDS_POLL_S = 2.0
+
+
+@dataclass(frozen=True)
+class Options:
+    image: str = "mstar:latest"
+    gpus: tuple[int, ...] | None = None  # device ids YAML ranks map onto; None: CPU only
+    gateway_replicas: int = 1
+    max_inflight: int = 256
+    request_timeout_s: float = 300.0
+    log_level: str = "INFO"
+
+
+@dataclass
+class ServiceSpec:
+    name: str  # DNS name
+    kind: str  # node_group | conductor | gateway | xds | envoy
+    command: list[str]
+    ports: dict[str, int]  # port name -> container port
+    probe: tuple[str, str]  # ("grpc", "127.0.0.1:port") or ("http", "http://127.0.0.1:port/path")
+    depends_on: list[str] = field(default_factory=list)
+    devices: list[int] = field(default_factory=list)  # GPU device ids to reserve
+    replicas: int = 1
+    group: str | None = None
+    metrics_path: str = "/metrics"
+
+    @property
+    def probe_command(self) -> list[str]:
+        return ["python", "-m", "mstar.deploy.probe", *self.probe]
+
+
+@dataclass
+class Topology:
+    config: PlacementConfig
+    services: list[ServiceSpec]
+    targets: list[dict]  # what the control plane watches (mstar.xds.targets)
+
+    def by_kind(self, kind: str) -> list[ServiceSpec]:
+        return [s for s in self.services if s.kind == kind]
+
+    @property
+    def targets_json(self) -> str:
+        return json.dumps(self.targets, indent=2) + "\n"
+
+
+def build(config: PlacementConfig, opts: Options, prefix: str = "") -> Topology:
+    """``prefix`` goes before every DNS name (Kubernetes: ``mstar-``)."""
+    lvl = ["--log-level", opts.log_level]
+    node = {g.name: f"{prefix}node-{dns_label(g.name)}" for g in config.node_groups}
+    if len(set(node.values())) != len(node):
+        raise ValueError(f"node group names {sorted(node)} collide as DNS names {sorted(node.values())}; rename one")
+    peers = json.dumps({g: f"{n}:{NODE_PORT}" for g, n in node.items()})
+    conductor, gateway, xds = f"{prefix}conductor", f"{prefix}gateway", f"{prefix}xds"
+    metrics = ["--metrics-port", str(METRICS_PORT)]
+    services = []
+    for g in config.node_groups:
+        devices = [opts.gpus[r] for r in g.ranks] if opts.gpus is not None else []
+        services.append(ServiceSpec(
+            node[g.name], "node_group",
+            ["python", "-m", "mstar.services.node_group", "--config", CONFIG_PATH, "--group", g.name,
+             "--address", f"0.0.0.0:{NODE_PORT}", "--peers", peers, "--conductor", f"{conductor}:{CONDUCTOR_PORT}",
+             "--tensor-comm-protocol", "TCP", "--device", "cuda:0" if devices else "cpu", *metrics, *lvl],
+            {"grpc": NODE_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{NODE_PORT}"),
+            devices=devices, group=g.name))
+    services.append(ServiceSpec(
+        conductor, "conductor",
+        ["python", "-m", "mstar.conductor", "--config", CONFIG_PATH, "--address", f"0.0.0.0:{CONDUCTOR_PORT}",
+         "--groups", peers, "--tensor-comm-protocol", "TCP", "--max-inflight", str(opts.max_inflight),
+         "--request-timeout", f"{opts.request_timeout_s:g}", *metrics, *lvl],
+        {"grpc": CONDUCTOR_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{CONDUCTOR_PORT}"),
+        depends_on=list(node.values())))
+    services.append(ServiceSpec(
+        gateway, "gateway",
+        ["python", "-m", "mstar.gateway", "--conductor", f"{conductor}:{CONDUCTOR_PORT}", "--host", "0.0.0.0",
+         "--port", str(GATEWAY_PORT), "--request-timeout", f"{opts.request_timeout_s:g}",
+         "--drain-delay", f"{DRAIN_DELAY_S:g}", *lvl],
+        {"http": GATEWAY_PORT, "metrics": GATEWAY_PORT}, ("http", f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+        depends_on=[conductor], replicas=opts.gateway_replicas))
+    services.append(ServiceSpec(
+        xds, "xds",
+        ["python", "-m", "mstar.xds", "--address", f"0.0.0.0:{XDS_PORT}", "--targets", TARGETS_DIR,
+         "--listen", f"0.0.0.0:{ENVOY_PORT}", "--poll-interval", f"{XDS_POLL_S:g}",
+         "--request-timeout", f"{opts.request_timeout_s:g}", "--max-generate", str(opts.max_inflight), *metrics, *lvl],
+        {"grpc": XDS_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{XDS_PORT}")))
+    services.append(ServiceSpec(
+        f"{prefix}envoy", "envoy",
+        ["python", "-m", "mstar.xds.envoy", "--xds", f"{xds}:{XDS_PORT}", "--admin", f"0.0.0.0:{ENVOY_ADMIN_PORT}",
+         "--concurrency", "2", "--bootstrap-out", "/tmp/envoy-bootstrap.yaml"],
+        {"http": ENVOY_PORT, "admin": ENVOY_ADMIN_PORT}, ("http", f"http://127.0.0.1:{ENVOY_ADMIN_PORT}/ready"),
+        depends_on=[xds], metrics_path="/stats/prometheus"))
+    targets = [{"cluster": "gateway", "address": f"{gateway_pods(gateway, prefix)}:{GATEWAY_PORT}", "health": "http"},
+               {"cluster": "conductor", "address": f"{conductor}:{CONDUCTOR_PORT}", "health": "grpc"}]
+    targets += [{"cluster": f"node-{g}", "address": f"{n}:{NODE_PORT}", "health": "grpc"} for g, n in node.items()]
+    return Topology(config, services, targets)
+
+
+def dns_label(name: str) -> str:
+    """A node group name as a DNS label (Kubernetes object names): lower case, '-' for '_'."""
+    return name.lower().replace("_", "-")
+
+
+def gateway_pods(gateway: str, prefix: str) -> str:
+    """The name that resolves to every gateway replica: compose's service name does; in
+    Kubernetes a headless Service does (a ClusterIP Service resolves to one virtual IP)."""
+    return f"{gateway}-pods" if prefix else gateway

@@ -1,0 +1,3 @@
+from mstar.xds.server import main
+
+main()
