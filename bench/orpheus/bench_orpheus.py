@@ -106,8 +106,8 @@ class CycleMask:
         self.masks = []
         for ranges in CODE_CYCLE:
             keep = torch.zeros(vocab, dtype=torch.bool, device=DEVICE)
-            for a, b in ranges:
-                keep[a:b] = True
+            a, b = ranges[0]  # the code block only: eos_token_id=None, so an end-of-speech would not end the row
+            keep[a:b] = True
             self.masks.append(~keep)
 
     def __call__(self, input_ids, scores):

@@ -78,26 +78,52 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 
 # -- masks, each on a [B, V] tensor with per-row parameters --------------------------------
+_RANGE_MASKS: dict[tuple, torch.Tensor] = {}  # (ranges, vocab, device) -> bool [V], built once
+
+
+def _range_mask(ranges: tuple[tuple[int, int], ...], vocab: int, device: torch.device) -> torch.Tensor:
+    key = (ranges, vocab, str(device))
+    mask = _RANGE_MASKS.get(key)
+    if mask is None:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        for a, b in ranges:
+            mask[a:b] = True
+        mask = _RANGE_MASKS[key] = mask.to(device)
+    return mask
+
+
 def apply_allowed_ranges(logits: torch.Tensor, ranges: Sequence[tuple[tuple[int, int], ...]]) -> torch.Tensor:
+    """One masked fill for the whole batch; each distinct range set is a cached [V] mask."""
+    rows = [i for i, rr in enumerate(ranges) if rr]
+    if not rows:
+        return logits
     vocab = logits.shape[-1]
-    ids = torch.arange(vocab, device=logits.device)
-    for row, rr in enumerate(ranges):
-        if rr:
-            keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            for a, b in rr:
-                keep |= (ids >= a) & (ids < b)
-            logits[row].masked_fill_(~keep, float("-inf"))
+    keep = torch.stack([_range_mask(ranges[i], vocab, logits.device) for i in rows])
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~keep, float("-inf"))
+    else:
+        idx = h2d(torch.tensor(rows), logits.device)
+        logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
     return logits
 
 
 def apply_repetition_penalty(logits: torch.Tensor, histories: Sequence[Sequence[int]],
                              penalties: Sequence[float]) -> torch.Tensor:
-    """HF convention: a seen token's positive logit is divided by the penalty, a negative one multiplied."""
+    """HF convention: a seen token's positive logit is divided by the penalty, a negative one multiplied.
+    One gather and one scatter for the whole batch (repeated ids write the same value)."""
+    rows, ids, pens = [], [], []
     for row, (seen, pen) in enumerate(zip(histories, penalties, strict=True)):
         if pen != 1.0 and seen:
-            idx = h2d(torch.tensor(sorted(set(seen))), logits.device)
-            x = logits[row, idx]
-            logits[row, idx] = torch.where(x > 0, x / pen, x * pen)
+            rows.extend([row] * len(seen))
+            ids.extend(seen)
+            pens.extend([pen] * len(seen))
+    if not rows:
+        return logits
+    r = h2d(torch.tensor(rows), logits.device)
+    c = h2d(torch.tensor(ids), logits.device)
+    p = h2d(torch.tensor(pens, dtype=logits.dtype), logits.device)
+    x = logits[r, c]
+    logits[r, c] = torch.where(x > 0, x / p, x * p)
     return logits
 
 
@@ -136,7 +162,7 @@ class Sampler:
     ) -> torch.Tensor:
         """logits [B, V] -> token ids [B] (int64, on logits' device)."""
         n = logits.shape[0]
-        logits = logits.float().clone()
+        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # masks write in place
         dev = logits.device
         apply_allowed_ranges(logits, [p.allowed_token_ranges for p in params])
         if histories is not None:

@@ -72,7 +72,12 @@ class NodeGroupRuntime:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{group}-forward")
         self.engines = {n: s for n, s in self.submodules.items() if isinstance(s, EngineNode)}
-        self._engine_releases: list[str] = []
+        # engines are only touched on their worker thread: submits and releases wait in
+        # these lists until the next step is launched
+        self._inbox: dict[str, list[NodeCall]] = {n: [] for n in self.engines}
+        self._engine_releases: dict[str, list[str]] = {n: [] for n in self.engines}
+        self._engine_step: dict[str, asyncio.Future | None] = {n: None for n in self.engines}
+        self._engine_executor = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix=f"{group}-engine")
         self._in_engine: dict[int, tuple[NodeCall, RequestCtx, WalkInstance, str]] = {}  # id(call) -> call, where, node
         self.steps = 0  # batches executed
         self.calls = 0  # node calls executed (calls / steps = mean batch size)
@@ -199,23 +204,19 @@ class NodeGroupRuntime:
         return None
 
     async def run(self) -> None:
-        """schedule -> execute -> update, forever: one stateless batch or one round of
-        engine submissions, then one step of every engine that has work."""
+        """schedule -> execute -> update, forever. Stateless nodes: one batch at a time.
+        Engine nodes: ready calls go to the engine's inbox; each engine steps on its own
+        worker thread, back to back, while this loop routes the previous step's outputs."""
         loop = asyncio.get_running_loop()
         while True:
-            for rid in self._engine_releases:  # engines are only touched between their steps
-                for engine in self.engines.values():
-                    engine.release(rid)
-            self._engine_releases.clear()
             picked = self._next_batch()
             if picked is not None:
                 (walk, node), batch = picked
                 calls, live = self._calls(walk, node, batch)
-                engine = self.engines.get(node)
-                if engine is not None:
+                if node in self.engines:
                     for call, (req, inst) in zip(calls, live, strict=True):
                         self._in_engine[id(call)] = (call, req, inst, node)
-                        engine.submit(call)
+                        self._inbox[node].append(call)
                 elif calls:
                     t0 = time.perf_counter()
                     outputs = await self._execute(loop, node, calls)
@@ -223,24 +224,53 @@ class NodeGroupRuntime:
                     self.steps += 1
                     self.calls += len(calls)
                     self.metrics.step(node, len(calls), time.perf_counter() - t0)
-            stepped = False
-            for node, engine in self.engines.items():
-                if engine.has_work:
-                    stepped = True
-                    await self._engine_step(loop, node, engine)
-            if picked is None and not stepped:
+            finished = self._pump_engines(loop)
+            if picked is None and not finished:
                 self._wake.clear()
-                await self._wake.wait()
+                if not self._engines_ready():
+                    await self._wake.wait()
                 continue
             await asyncio.sleep(0)  # let arriving frames in between steps
 
-    async def _engine_step(self, loop, node: str, engine: EngineNode) -> None:
-        t0 = time.perf_counter()
+    def _engines_ready(self) -> bool:
+        return any(f is not None and f.done() for f in self._engine_step.values())
+
+    def _pump_engines(self, loop) -> bool:
+        """Collect finished engine steps and start the next ones; True if any finished."""
+        finished = False
+        for node, engine in self.engines.items():
+            fut = self._engine_step[node]
+            if fut is not None:
+                if not fut.done():
+                    continue
+                self._engine_step[node] = None
+                finished = True
+                self._engine_done(node, fut)
+            inbox, releases = self._inbox[node], self._engine_releases[node]
+            live = [c for c in inbox if c.request_id in self.requests]
+            if not (live or releases or engine.has_work):
+                continue
+            self._inbox[node], self._engine_releases[node] = [], []
+            t0 = time.perf_counter()
+            args = (engine, live, releases, t0)
+            if engine.blocking:
+                fut = loop.run_in_executor(self._engine_executor, _engine_call, *args)
+            else:
+                fut = loop.create_future()
+                try:
+                    fut.set_result(_engine_call(*args))
+                except Exception as e:
+                    fut.set_exception(e)
+            fut.add_done_callback(lambda _f: self._wake.set())
+            self._engine_step[node] = fut
+        return finished
+
+    def _engine_done(self, node: str, fut) -> None:
         try:
-            done = await loop.run_in_executor(self._executor, engine.step) if engine.blocking else engine.step()
+            done, t0 = fut.result()
         except Exception as e:
             log.exception("engine of node '%s' failed a step", node)
-            done = [(c, e) for c, _r, _i, n in self._in_engine.values() if n == node]
+            done, t0 = [(c, e) for c, _r, _i, n in self._in_engine.values() if n == node], time.perf_counter()
         live, calls, outputs = [], [], []
         for call, out in done:
             entry = self._in_engine.pop(id(call), None)
@@ -324,7 +354,7 @@ class NodeGroupRuntime:
         if self.requests.pop(request_id, None) is not None:
             for node, sub in self.submodules.items():
                 if node in self.engines:
-                    self._engine_releases.append(request_id)
+                    self._engine_releases[node].append(request_id)
                     self._wake.set()
                 else:
                     sub.release(request_id)
@@ -347,7 +377,16 @@ class NodeGroupRuntime:
     async def close(self) -> None:
         await self.links.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._engine_executor.shutdown(wait=False, cancel_futures=True)
 
     def is_local(self, walk: str, node: str) -> bool:
         return self.placement.host(walk, node) == self.group
 
+
+def _engine_call(engine: EngineNode, calls: list[NodeCall], releases: list[str], t0: float):
+    """One engine step on the engine's thread: apply releases, then submits, then step."""
+    for rid in releases:
+        engine.release(rid)
+    for call in calls:
+        engine.submit(call)
+    return (engine.step() if engine.has_work else []), t0
