@@ -30,6 +30,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     def __init__(self, table: RequestTable, max_inflight: int, default_timeout_s: float):
         self.table, self.max_inflight, self.default_timeout_s = table, max_inflight, default_timeout_s
         self.model = table.model
+        self.by_client_id: dict[str, ActiveRequest] = {}  # client-visible request_id -> request
         self.metrics = metrics.RequestMetrics(self.model.name, lambda: len(table.active), max_inflight)
 
     async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -49,12 +50,15 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"conductor is at its admission limit of {self.max_inflight} in-flight requests; retry later")
         rid = request.request_id or uuid.uuid4().hex
-        if rid in self.table.active:
+        if rid in self.by_client_id:
             self.metrics.rejected("ALREADY_EXISTS")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: '{rid}' is already in flight")
         process_s = time.perf_counter() - t0
-        ar = ActiveRequest(rid, state, json.dumps(prompt.kwargs), t0)
-        self.table.active[rid] = ar
+        # the mesh sees a fresh id per request: node groups remember ended ids to drop late
+        # frames, so a client may reuse its own id once the earlier request has ended
+        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0)
+        self.table.active[ar.request_id] = ar
+        self.by_client_id[rid] = ar
         timeout = request.timeout_s or self.default_timeout_s
         counts: dict[str, int] = {}
         self.metrics.started.inc()
@@ -107,10 +111,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             if outcome != "OK":
                 self.metrics.failed(outcome, ar.audio_seconds)
             self.table.release(ar)
-            self.table.active.pop(rid, None)
+            self.table.active.pop(ar.request_id, None)
+            self.by_client_id.pop(rid, None)
 
     async def Cancel(self, request: cpb.CancelRequest, context):
-        ar = self.table.active.get(request.request_id)
+        ar = self.by_client_id.get(request.request_id)
         if ar is None or ar.ended:
             return cpb.CancelResponse(cancelled=False)
         self.table.fail(ar, grpc.StatusCode.CANCELLED, f"request '{request.request_id}' was cancelled")

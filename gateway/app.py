@@ -1,30 +1,50 @@
 """The REST gateway: an aiohttp application translating HTTP into Conductor gRPC calls.
 
-Routes: ``POST /generate`` (generate.py), ``GET /health``, ``GET /v1/models``.
+Routes: ``POST /generate`` (generate.py), ``GET /health``, ``GET /v1/models``, ``GET /metrics``
+(Prometheus, metrics.py), the OpenAI-compatible ``POST /v1/chat/completions``,
+``/v1/audio/speech`` and ``/v1/images/generations`` (oai/), and ``GET /openapi.json``
+(openapi.py, the document describing all of them).
 Run it with ``handler_cancellation=True`` (server.py and aiohttp's TestServer do) so that a
 client that disconnects cancels its gRPC call at once, not at the next chunk written.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
+
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.errors import json_errors
 from mstar.gateway.generate import CLIENT, SETTINGS, GatewaySettings, generate
+from mstar.gateway.metrics import http_metrics, metrics_handler
+from mstar.gateway.oai.chat import chat_completions
+from mstar.gateway.oai.images import generate_images
+from mstar.gateway.oai.speech import speech
+from mstar.gateway.openapi import SPEC, build, openapi_handler
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 << 20
+#: set while the gateway drains: /health answers 503 so that load balancers stop sending before it closes
+DRAINING = web.AppKey("draining", asyncio.Event)
 
 
 def create_app(conductor_address: str, *, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                request_timeout_s: float = 300.0) -> web.Application:
     settings = GatewaySettings(conductor_address, max_upload_bytes, request_timeout_s)
-    app = web.Application(client_max_size=max_upload_bytes, middlewares=[json_errors])
+    app = web.Application(client_max_size=max_upload_bytes, middlewares=[http_metrics, json_errors])
     app[SETTINGS] = settings
     app[CLIENT] = ConductorClient(conductor_address)
+    app[SPEC] = build(settings)
+    app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_conductor_channel)
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/audio/speech", speech)
+    app.router.add_post("/v1/images/generations", generate_images)
+    app.router.add_get("/openapi.json", openapi_handler)
     return app
 
 
@@ -36,6 +56,8 @@ async def _conductor_channel(app: web.Application):
 
 
 async def health(request: web.Request) -> web.Response:
+    if request.app[DRAINING].is_set():
+        return web.json_response({"status": "draining", "reason": "the gateway is shutting down"}, status=503)
     problem = await request.app[CLIENT].health_problem()
     if problem is None:
         return web.json_response({"status": "ok"})

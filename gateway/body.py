@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from aiohttp import BodyPartReader, hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
+
 from mstar.gateway.errors import ApiError, bad_request, too_large
 
 FIELDS = ("model", "text", "model_kwargs", "stream", "timeout_s", "request_id")
@@ -59,13 +61,27 @@ async def _read_all(request: web.Request, max_bytes: int) -> bytes:
 
 
 def _from_json(raw: bytes, max_timeout_s: float) -> GenerateBody:
+    return _validate(_json_object(raw), max_timeout_s)
+
+
+def _json_object(raw: bytes) -> dict:
     try:
         values = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(None, f"malformed JSON body: {e}") from None
     if not isinstance(values, dict):
-        raise bad_request(None, f"the body must be a JSON object, got {_json_type(values)}")
-    return _validate(values, max_timeout_s)
+        raise bad_request(None, f"the body must be a JSON object, got {json_type(values)}")
+    return values
+
+
+async def read_json_object(request: web.Request, max_bytes: int) -> dict:
+    """A body that must be one JSON object (the OpenAI-compatible routes)."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise too_large(max_bytes)
+    if request.content_type != "application/json":
+        sent = request.headers.get(hdrs.CONTENT_TYPE, "no Content-Type")
+        raise ApiError(415, f"unsupported Content-Type '{sent}'; send application/json", code="UNSUPPORTED_MEDIA_TYPE")
+    return _json_object(await _read_all(request, max_bytes))
 
 
 async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: float) -> GenerateBody:
@@ -79,7 +95,7 @@ async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: f
     while True:
         try:
             part = await reader.next()
-        except (ValueError, AssertionError) as e:
+        except (ValueError, AssertionError, HttpProcessingError) as e:  # e.g. a part's header is not valid HTTP
             raise bad_request(None, f"malformed multipart body: {e}") from None
         if part is None:
             break
@@ -143,13 +159,13 @@ def _validate(values: dict, max_timeout_s: float, files: tuple[Upload, ...] = ()
         raise bad_request("model", "model: required")
     for key, kind in (("model", str), ("text", str), ("request_id", str), ("stream", bool), ("model_kwargs", dict)):
         if key in values and not isinstance(values[key], kind):
-            raise bad_request(key, f"{key}: must be {_json_type(kind())}, got {_json_type(values[key])}")
+            raise bad_request(key, f"{key}: must be {json_type(kind())}, got {json_type(values[key])}")
     if not values["model"]:
         raise bad_request("model", "model: must not be empty")
     timeout_s = values.get("timeout_s", 0.0)
     if "timeout_s" in values:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-            raise bad_request("timeout_s", f"timeout_s: must be a number, got {_json_type(timeout_s)}")
+            raise bad_request("timeout_s", f"timeout_s: must be a number, got {json_type(timeout_s)}")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise bad_request("timeout_s", f"timeout_s: must be a positive number of seconds, got {timeout_s}")
         if timeout_s > max_timeout_s:
@@ -159,7 +175,7 @@ def _validate(values: dict, max_timeout_s: float, files: tuple[Upload, ...] = ()
                         request_id=values.get("request_id", ""), files=files)
 
 
-def _json_type(value: object) -> str:
+def json_type(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):

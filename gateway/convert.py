@@ -6,7 +6,6 @@ import base64
 import json
 
 from mstar.gateway.body import GenerateBody
-
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import tensor_pb2
 

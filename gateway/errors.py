@@ -1,6 +1,7 @@
 """One JSON error shape for every failure, and the gRPC status → HTTP status mapping.
 
-Body: ``{"error": {"message": str, "type": str, "field": str | null, "code": str}}``.
+Body: ``{"error": {"message": str, "type": str, "field": str | null, "code": str}}``; the
+OpenAI-compatible routes add ``param`` (= ``field``), the key OpenAI clients read.
 ``code`` is machine-readable: the conductor's gRPC status name (``UNAVAILABLE``) for errors
 it reports, ``INVALID_ARGUMENT`` / ``NOT_FOUND`` for the gateway's own validation, and the
 HTTP reason in upper snake case (``PAYLOAD_TOO_LARGE``) for purely HTTP errors.
@@ -45,11 +46,16 @@ class ApiError(Exception):
             return "rate_limit_error"
         return "invalid_request_error" if self.status < 500 else "server_error"
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "field": self.field, "code": self.code}}
+    def body(self, *, openai: bool = False) -> dict:
+        """``openai``: also ``param``, OpenAI's name for the field (the OpenAI-compatible routes)."""
+        err = {"message": self.message, "type": self.type, "field": self.field, "code": self.code}
+        if openai:
+            err["param"] = self.field
+        return {"error": err}
 
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.json_response(self.body(), status=self.status, reason=_REASONS.get(self.status), headers=headers)
+    def response(self, headers: dict[str, str] | None = None, *, openai: bool = False) -> web.Response:
+        return web.json_response(self.body(openai=openai), status=self.status, reason=_REASONS.get(self.status),
+                                 headers=headers)
 
 
 def bad_request(field: str | None, message: str) -> ApiError:

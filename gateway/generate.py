@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
+
 from mstar.gateway.body import read_generate_body
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.convert import Collected, ProtocolError, error_json, message_json, to_request
 from mstar.gateway.errors import ApiError
-
 from mstar.v1 import conductor_pb2 as cpb
 
 log = logging.getLogger("mstar.gateway")
@@ -59,7 +59,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                        code="NOT_FOUND", field="model")
     call = client.generate(to_request(body), (body.timeout_s or settings.request_timeout_s) + DEADLINE_SLACK_S)
     try:
-        first = await _next(call)  # an AioRpcError here becomes an HTTP status in the middleware
+        first = await next_message(call)  # an AioRpcError here becomes an HTTP status in the middleware
         if first is None:
             raise ApiError(500, "conductor ended the stream without a final event", code="INTERNAL")
         if body.stream:
@@ -70,12 +70,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
             call.cancel()  # client gone, shutdown or error: the conductor releases the request
 
 
-async def _next(call: grpc.aio.UnaryStreamCall) -> cpb.GenerateResponse | None:
+async def next_message(call: grpc.aio.UnaryStreamCall) -> cpb.GenerateResponse | None:
     msg = await call.read()
     return None if msg is grpc.aio.EOF else msg
 
 
-async def _settle(call: grpc.aio.UnaryStreamCall) -> None:
+async def settle(call: grpc.aio.UnaryStreamCall) -> None:
     """After the final event, let the call end with its OK status (it follows at once) rather than
     cancel it, so the conductor sees a completed request, not a cancelled one."""
     try:
@@ -95,9 +95,9 @@ async def _collect(call: grpc.aio.UnaryStreamCall, first: cpb.GenerateResponse) 
         except ProtocolError as e:
             raise ApiError(500, str(e), code="INTERNAL") from None
         if msg.HasField("final"):
-            await _settle(call)
+            await settle(call)
             return web.json_response(collected.json(msg.request_id, msg.final), headers={"X-Request-Id": msg.request_id})
-        msg = await _next(call)
+        msg = await next_message(call)
 
 
 def _line(obj: dict) -> bytes:
@@ -135,10 +135,10 @@ async def _pump(resp: web.StreamResponse, call: grpc.aio.UnaryStreamCall, msg: c
             return
         await resp.write(lines)
         if msg.HasField("final"):
-            await _settle(call)
+            await settle(call)
             return
         try:
-            msg = await _next(call)
+            msg = await next_message(call)
         except grpc.aio.AioRpcError as e:
             await resp.write(_line(error_json(e.code().name, e.details() or e.code().name)))
             return

@@ -10,7 +10,8 @@ import signal
 
 import uvloop
 from aiohttp import web
-from mstar.gateway.app import create_app
+
+from mstar.gateway.app import DRAINING, create_app
 
 log = logging.getLogger("mstar.gateway")
 
@@ -26,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="longest a request may run and largest timeout_s a client may ask for, seconds (default 300)")
     p.add_argument("--shutdown-grace", type=float, default=4.0,
                    help="seconds in-flight responses get to finish after SIGTERM before they are cut (default 4)")
+    p.add_argument("--drain-delay", type=float, default=0.0,
+                   help="seconds between SIGTERM and closing the port, answering /health with 503 meanwhile, so that "
+                        "a load balancer polling it stops sending first (default 0)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.max_upload_mb <= 0:
@@ -67,6 +71,10 @@ async def serve(args: argparse.Namespace) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        if args.drain_delay > 0:
+            app[DRAINING].set()
+            log.info("gateway answering /health with 503 for %g s before it stops accepting", args.drain_delay)
+            await asyncio.sleep(args.drain_delay)
         log.info("gateway draining (up to %g s for in-flight responses)", args.shutdown_grace)
     finally:
         await runner.cleanup()  # stop accepting, let handlers finish (bounded), close the channel

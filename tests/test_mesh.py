@@ -198,3 +198,18 @@ def test_relay_moves_large_tensors_between_groups(toy_config, protocol):
             await wait_released(mesh)
         assert glob.glob(f"/dev/shm/{settings().shm_prefix}*") == []
     run(go())
+
+
+def test_a_request_id_can_be_reused_once_the_request_ended(toy_config):
+    async def go():
+        async with inprocess_mesh(toy_config()) as mesh:
+            for _ in range(2):
+                out, _ = await collect(mesh.stub, request("abc", request_id="same"), timeout=10)
+                assert text_of(out["text"]) == "nop"
+            slow = mesh.stub.Generate(request(PROMPT, request_id="busy", delay_ms=20), timeout=10)
+            await slow.read()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(mesh.stub, request("x", request_id="busy"))
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            slow.cancel()
+    run(go())

@@ -13,9 +13,9 @@ import aiohttp
 import grpc
 from aiohttp.test_utils import TestClient, TestServer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from mstar.conductor.convert import invalid_argument_status
 from mstar.gateway.app import create_app
-
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, tensor_pb2
 

@@ -6,6 +6,7 @@ import logging
 import aiohttp
 import pytest
 from gateway_harness import assert_error, gateway, post_json, run
+
 from mstar.gateway.generate import CLIENT
 
 
@@ -138,6 +139,24 @@ def test_multipart_chunked_over_the_limit_is_413():
 
     status, body = run(go())
     assert_error(status, body, 413, None, "PAYLOAD_TOO_LARGE")
+
+
+def test_multipart_part_with_an_invalid_header_is_400():
+    """A part header aiohttp cannot parse (here: a control byte in the name) is the client's
+    malformed body, not a 500 (schemathesis found it)."""
+    async def go():
+        async with gateway() as env:
+            boundary = "b0undary"
+            body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"a\x08b\"\r\n\r\n{{}}\r\n"
+                    f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ntoy\r\n"
+                    f"--{boundary}--\r\n").encode()
+            async with env.client.post("/generate", data=body,
+                                       headers={"Content-Type": f"multipart/form-data; boundary={boundary}"}) as r:
+                return r.status, await r.json(), env.fake.requests
+
+    status, body, seen = run(go())
+    assert_error(status, body, 400, None, "INVALID_ARGUMENT")
+    assert "malformed multipart body" in body["error"]["message"] and seen == []
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])

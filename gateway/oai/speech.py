@@ -1,0 +1,157 @@
+"""``POST /v1/audio/speech``: OpenAI text-to-speech over one Conductor.Generate call, for any
+model with an audio output (PCM16 mono chunks, each with its sample rate).
+
+- ``input`` is the prompt text; ``voice`` goes to the model as ``model_kwargs.voice`` (left
+  out when absent, null or ``"default"``; a model without voices refuses any other: a 400
+  naming ``voice``); ``model_kwargs`` (M*'s extension) adds model-specific knobs.
+- ``response_format``: ``wav`` (default; the whole file, exact header) or ``pcm`` (raw PCM16
+  little-endian mono; the rate is in ``X-Sample-Rate-Hz``). mp3/opus/aac/flac are a 400.
+- ``stream_format``: ``audio`` (default; with ``pcm`` the bytes stream as the model makes
+  them, and an error after the first byte cuts the connection) or ``sse``
+  (``speech.audio.delta`` events with base64 PCM16, then ``speech.audio.done`` with usage;
+  needs ``response_format: pcm``).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+from aiohttp import web
+
+from mstar.client.types import pcm16_wav
+from mstar.gateway.body import read_json_object
+from mstar.gateway.errors import ApiError, bad_request
+from mstar.gateway.generate import SETTINGS
+from mstar.gateway.oai.call import conductor_call, error_event, openai_route, served_output, sse, to_api_error
+from mstar.gateway.oai.params import NUMBER, STRING, Known, Params, exactly
+
+log = logging.getLogger("mstar.gateway")
+ROUTE = "/v1/audio/speech"
+KNOWN: dict[str, Known] = {
+    "speed": (lambda v: NUMBER[1](v) and v == 1, "M* speaks at the model's own pace; leave speed out or send 1.0"),
+    "instructions": (exactly(""), "M* models take no speaking instructions"),
+}
+MIME = {"wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+def _parse(body: dict) -> tuple[Params, str, str, str, str]:
+    p = Params(body)
+    model = p.string("model", required=True)
+    text = p.string("input", required=True)
+    voice = p.take("voice", STRING)
+    if voice is not None and voice != "default":
+        p.model_kwargs["voice"] = voice
+        p.param_of["voice"] = "voice"
+    fmt = p.string("response_format", choices=("wav", "pcm"), default="wav")
+    stream_format = p.string("stream_format", choices=("audio", "sse"), default="audio")
+    if stream_format == "sse" and fmt != "pcm":
+        raise bad_request("response_format", "response_format: with stream_format 'sse' the audio deltas are PCM16; "
+                                             "send response_format 'pcm'")
+    p.extension_kwargs()
+    p.finish(KNOWN, ROUTE)
+    return p, model, text, fmt, stream_format
+
+
+def _rate(chunk, rate: int | None) -> int:
+    if not chunk.sample_rate_hz:
+        raise ApiError(500, f"audio chunk {chunk.index} of '{chunk.name}' carries no sample rate", code="INTERNAL")
+    if rate is not None and chunk.sample_rate_hz != rate:
+        raise ApiError(500, f"audio output '{chunk.name}' changed sample rate mid-stream ({rate} -> "
+                            f"{chunk.sample_rate_hz} Hz)", code="INTERNAL")
+    return chunk.sample_rate_hz
+
+
+def _no_audio(model: str, output: str) -> ApiError:
+    return ApiError(500, f"model '{model}' finished without audio on its output '{output}'", code="INTERNAL")
+
+
+@openai_route
+async def speech(request: web.Request) -> web.StreamResponse:
+    params, model, text, fmt, stream_format = _parse(await read_json_object(request, request.app[SETTINGS].max_upload_bytes))
+    output = await served_output(request, model, "audio", ROUTE)
+    async with conductor_call(request, model, text, params, "input") as call:
+        first = await call.next()
+        if first is None:
+            raise ApiError(500, "conductor ended the stream without a final event", code="INTERNAL")
+        if stream_format == "sse":
+            return await _sse(request, call, first, output)
+        if fmt == "pcm":
+            return await _pcm(request, call, first, model, output)
+        pcm, rate = bytearray(), None
+        async for msg in call.following(first):
+            for c in msg.chunks:
+                if c.name == output:
+                    rate = _rate(c, rate)
+                    pcm += c.data
+        if rate is None:
+            raise _no_audio(model, output)
+        return web.Response(body=pcm16_wav(bytes(pcm), rate), content_type=MIME["wav"],
+                            headers={"X-Request-Id": first.request_id, "X-Sample-Rate-Hz": str(rate)})
+
+
+async def _pcm(request: web.Request, call, first, model: str, output: str) -> web.StreamResponse:
+    """Raw PCM16 as it comes; headers wait for the first audio chunk (they carry its rate)."""
+    resp, rate = None, None
+    try:
+        async for msg in call.following(first):
+            data = bytearray()
+            for c in msg.chunks:
+                if c.name == output:
+                    rate = _rate(c, rate)
+                    data += c.data
+            if resp is None and rate is not None:
+                resp = web.StreamResponse(headers={"X-Request-Id": first.request_id, "X-Sample-Rate-Hz": str(rate),
+                                                   "Cache-Control": "no-cache"})
+                resp.content_type = MIME["pcm"]
+                await resp.prepare(request)
+            if resp is not None and data:
+                await resp.write(bytes(data))
+        if resp is None:
+            raise _no_audio(model, output)
+        await resp.write_eof()
+        return resp
+    except ConnectionResetError:
+        log.info("client disconnected from streaming speech %s", first.request_id)
+        return resp or web.Response(status=499)
+    except Exception as e:
+        if resp is None:
+            raise  # nothing sent yet: an HTTP error status
+        # Raw audio has no room for an error: cut the connection so the body is visibly incomplete.
+        log.error("streaming speech %s failed after audio was sent: %s", first.request_id, to_api_error(e).message)
+        if request.transport is not None:
+            request.transport.close()
+        return resp
+
+
+async def _sse(request: web.Request, call, first, output: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"X-Request-Id": first.request_id, "Cache-Control": "no-cache"})
+    resp.content_type = "text/event-stream"
+    await resp.prepare(request)
+    try:
+        try:
+            rate = None
+            async for msg in call.following(first):
+                out = bytearray()
+                for c in msg.chunks:
+                    if c.name == output:
+                        rate = _rate(c, rate)
+                        out += sse({"type": "speech.audio.delta", "audio": base64.b64encode(c.data).decode("ascii"),
+                                    "sample_rate_hz": rate})
+                if msg.HasField("final"):
+                    u = msg.final.usage
+                    out += sse({"type": "speech.audio.done", "usage": {
+                        "input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                        "total_tokens": u.prompt_tokens + u.completion_tokens}})
+                if out:
+                    await resp.write(bytes(out))
+        except ConnectionResetError:
+            raise
+        except Exception as e:
+            if not isinstance(e, ApiError):
+                log.exception("streaming speech %s failed", first.request_id)
+            await resp.write(error_event(to_api_error(e)))
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.info("client disconnected from streaming speech %s", first.request_id)
+    return resp
