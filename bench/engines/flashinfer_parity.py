@@ -13,6 +13,7 @@ import json
 import time
 
 import torch
+
 from mstar.services.engines.attention import AttentionBatch, HeadShape, TorchPagedAttention
 from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferAttention, FlashInferGraphDecode
 from mstar.services.engines.pages import build_csr, pages_for

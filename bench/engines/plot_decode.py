@@ -1,6 +1,8 @@
-"""Plot decode_bench.json: step time per batch size, ours vs transformers static vs roofline.
+"""Plot decode_bench.json: step time per batch size, ours vs transformers static vs roofline,
+and optionally an earlier run of ours (its own run: compare its ratios, not its absolute times).
 
-    python bench/engines/plot_decode.py bench/results/engines/decode_bench.json bench/results/engines/decode.png
+    python bench/engines/plot_decode.py bench/results/engines/decode_bench.json bench/results/engines/decode.png \
+        [bench/results/engines/run2/decode_bench.json]
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(src: str, dst: str) -> None:
+def main(src: str, dst: str, before: str | None = None) -> None:
     r = json.load(open(src))
     batches = sorted(int(b) for b in r["ours"])
     ours = [r["ours"][str(b)]["decode_step_ms_median"] for b in batches]
@@ -28,6 +30,11 @@ def main(src: str, dst: str) -> None:
     a.plot(nov_b, nov, "s:", label="ours, not pipelined")
     a.plot(hf_b, hf, "^-", label='transformers generate, cache="static"')
     a.plot(batches, floor, "k--", label="roofline floor (weights + KV / HBM bw)")
+    if before:
+        old = json.load(open(before))["ours"]
+        ob = sorted(int(b) for b in old)
+        a.plot(ob, [old[str(b)]["decode_step_ms_median"] for b in ob], "x:", color="grey",
+               label="ours, previous run (unfused)")
     a.set_xscale("log", base=2)
     a.set_xlabel("batch size")
     a.set_ylabel("decode step, ms (median)")
@@ -46,4 +53,4 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
 from mstar.services.engines.pages import CsrPageTable
 
 

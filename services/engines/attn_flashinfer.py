@@ -14,9 +14,18 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
 from mstar.services.engines.attention import AttentionBatch, HeadShape
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+#: Decode attention in captured graphs: FlashInfer's tensor-core (fa2 prefill) kernel, else its
+#: CUDA-core decode kernel (a JIT module of its own; 0.05-0.09 ms slower per 28-layer step on an
+#: H100 at 24/8 heads, bench/results/engines).
+GRAPH_DECODE_TENSOR_CORES = True
+#: Graphs of at least this many sequences run without split-KV: batch x kv_heads CTAs already fill
+#: the GPU, and the split's merge kernel is one more launch per layer (0.08-0.10 ms a step at
+#: batch 16 / 64). Smaller batches keep the split, which long contexts need.
+GRAPH_DECODE_NO_SPLIT_FROM = 16
 
 
 def flashinfer_available() -> bool:
@@ -92,9 +101,10 @@ class FlashInferGraphDecode:
                  batch_size: int, max_pages: int, workspace: torch.Tensor):
         fi = _import_flashinfer()
         self.heads, self.dtype, self.page_size, self._device = heads, dtype, page_size, device
+        self.split_kv = batch_size < GRAPH_DECODE_NO_SPLIT_FROM
         i32 = dict(dtype=torch.int32, device=device)
         self._wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=GRAPH_DECODE_TENSOR_CORES,
             paged_kv_indptr_buffer=torch.zeros(batch_size + 1, **i32),
             paged_kv_indices_buffer=torch.zeros(max_pages, **i32),
             paged_kv_last_page_len_buffer=torch.zeros(batch_size, **i32),
@@ -110,6 +120,7 @@ class FlashInferGraphDecode:
             t.kv_indptr.pin_memory(), indices, t.kv_last_page_len.pin_memory(),
             h.num_qo_heads, h.num_kv_heads, h.head_dim, self.page_size,
             q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+            disable_split_kv=not self.split_kv,
         )
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from mstar.services.engines.attention import AttentionBatch
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.pages import build_csr, pages_for

@@ -14,7 +14,9 @@ import logging
 from collections.abc import Sequence
 
 import torch
+
 from mstar.services.engines.batch import SeqSlice, build_step_inputs
+from mstar.services.engines.kernels import TORCH_OPS, Ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.layers import ForwardContext
 
@@ -40,16 +42,17 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                 copies: int = 2):
+                 copies: int = 2, ops: Ops = TORCH_OPS):
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.copies = copies
         dev = cache.device
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # scratch, stream-ordered
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._turn = 0
+        self._last: _Graph | None = None
         pool = None
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its pool
             for copy in range(copies):
@@ -69,7 +72,7 @@ class DecodeGraphs:
         positions = torch.zeros(bs, dtype=torch.long, device=dev)
         slots = torch.zeros(bs, dtype=torch.long, device=dev)
         backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
-        ctx = ForwardContext(backend, self.cache.kv, slots)
+        ctx = ForwardContext(backend, self.cache.kv, slots, self.ops)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -99,4 +102,12 @@ class DecodeGraphs:
         g.slots.copy_(inputs.attn.slots.pin_memory(), non_blocking=True)
         g.backend.plan(inputs.attn)
         g.graph.replay()
+        self._last = g
         return g.out[:n]
+
+    def replay_last(self) -> None:
+        """Replay the latest graph on its inputs as they stand (benchmarks: the forward's device
+        time without re-planning; it rewrites the same K/V slots)."""
+        if self._last is None:
+            raise RuntimeError("replay_last before any replay")
+        self._last.graph.replay()

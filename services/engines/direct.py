@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from mstar.services.engines.batch import SeqSlice, build_step_inputs
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.model_runner import ModelRunner

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+
 from mstar.services.engines.pages import PageAllocator, pages_for
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from mstar.services.engines.attention import make_backend
 from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
 from mstar.services.engines.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs, graphs_unavailable_reason
 from mstar.services.engines.direct import ForwardItem, run_direct
+from mstar.services.engines.kernels import make_ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.model_runner import ModelRunner, PagedDecoder
 from mstar.services.engines.pages import OutOfPages
@@ -55,6 +57,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode graphs; off (and logged) where unavailable
     overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    kernels: str = "auto"  # auto | torch | flashinfer | compile: RMSNorm / RoPE / SiLU·mul (kernels.py)
 
 
 @dataclass
@@ -93,16 +96,17 @@ class KVCacheEngine:
         spec = model.config.kv_spec(config.page_size, p.dtype)  # type: ignore[attr-defined]
         self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction)
         backend = make_backend(config.attention, model.config.heads, p.device, p.dtype, config.page_size)
+        self.ops = make_ops(config.kernels, p.device, p.dtype)
         why_no_graphs = graphs_unavailable_reason(p.device, backend.name)
         graphs = None
         if config.cuda_graphs and why_no_graphs:
             log.info("CUDA graphs off: %s", why_no_graphs)
         elif config.cuda_graphs:
-            graphs = DecodeGraphs(model, self.cache, config.graph_batch_sizes)
+            graphs = DecodeGraphs(model, self.cache, config.graph_batch_sizes, ops=self.ops)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)
-        self.runner = ModelRunner(model, self.cache, backend, graphs)
+        self.runner = ModelRunner(model, self.cache, backend, graphs, self.ops)
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
         self.sampler = Sampler()
@@ -216,8 +220,12 @@ class KVCacheEngine:
         seqs = [out.chunks[i].seq for i in sampling]
         params = [s.params.at_output(s.num_output_tokens) for s in seqs]
         histories = [s.token_ids for s in seqs] if any(p.repetition_penalty != 1 for p in params) else None
-        rows = h2d(inputs.last_rows()[list(sampling)], self.device)
-        tokens = self.sampler(self.model.compute_logits(hidden[rows]), params, histories,
+        rows = inputs.last_rows()[list(sampling)]
+        if torch.equal(rows, torch.arange(len(rows))):  # decode: every row samples, no gather
+            hidden = hidden[: len(rows)]
+        else:
+            hidden = hidden[h2d(rows, self.device)]
+        tokens = self.sampler(self.model.compute_logits(hidden), params, histories,
                               [self._generators.get(s.request_id) for s in seqs])
         host, wait = _to_host_async(tokens)
         self.stats.steps += 1

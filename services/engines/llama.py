@@ -1,5 +1,6 @@
 """A Llama-architecture decoder on the paged KV cache, loadable from a Hugging Face
-Llama checkpoint directory (config.json + *.safetensors)."""
+Llama checkpoint directory (config.json + *.safetensors; q/k/v and gate/up are fused into one
+GEMM each as they load)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from mstar.services.engines.attention import HeadShape
 from mstar.services.engines.kv_cache import KVCacheSpec
 from mstar.services.engines.layers import (
@@ -19,8 +22,8 @@ from mstar.services.engines.layers import (
     RMSNorm,
     RopeScaling,
     RotaryEmbedding,
+    set_weight_layout,
 )
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    max_position_embeddings: int = 131072  # rows of the fused RoPE kernels' cos/sin table
 
     def __post_init__(self) -> None:
         HeadShape(self.num_heads, self.num_kv_heads, self.head_dim)  # validates GQA grouping
@@ -81,6 +85,7 @@ class LlamaConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings") or 131072),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
@@ -97,7 +102,7 @@ class LlamaBackbone(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 PagedAttention(i, cfg.hidden_size, cfg.heads, rope, cfg.attention_bias, cfg.attention_bias),
@@ -110,10 +115,12 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = embeds
+        h, residual = embeds, None
         for layer in self.layers:
-            h = layer(h, positions, ctx)
-        return self.norm(h)
+            h, residual = layer(h, positions, ctx, residual)
+        if residual is None:  # no layers
+            return ctx.ops.rms_norm(h, self.norm.weight, self.norm.eps)
+        return ctx.ops.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,4 +156,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         load_checkpoint(model, path)
+        if torch.device(device).type == "cuda":
+            set_weight_layout(model, column_major=True)
         return model.requires_grad_(False).eval()

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from mstar.services.engines.attention import AttentionBackend, HeadShape
-from mstar.services.engines.batch import StepInputs
+from mstar.services.engines.batch import StepInputs, h2d
+from mstar.services.engines.kernels import TORCH_OPS, Ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.layers import ForwardContext
 
@@ -33,9 +35,13 @@ class PagedDecoder(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: PagedDecoder, cache: PagedKVCache, backend: AttentionBackend, graphs=None):
-        self.model, self.cache, self.backend, self.graphs = model, cache, backend, graphs
+    def __init__(self, model: PagedDecoder, cache: PagedKVCache, backend: AttentionBackend, graphs=None,
+                 ops: Ops = TORCH_OPS):
+        self.model, self.cache, self.backend, self.graphs, self.ops = model, cache, backend, graphs, ops
         self.device = cache.device
+        # fused RoPE reads a cos/sin table of this many rows: positions past it must not reach it
+        self.max_position = (getattr(model.config, "max_position_embeddings", None)
+                             if ops.position_table else None)
         self.last_run_replayed = False  # whether the latest run() replayed a CUDA graph
 
     @torch.inference_mode()
@@ -46,8 +52,12 @@ class ModelRunner:
         Give ``token_ids`` [num_rows] or ``embeds`` [num_rows, hidden] (multimodal inputs)."""
         if (token_ids is None) == (embeds is None):
             raise ValueError("give exactly one of token_ids and embeds")
-        if token_ids is not None:
-            token_ids = token_ids.to(self.device, non_blocking=True)
+        if self.max_position is not None and inputs.positions.numel():
+            top = int(inputs.positions.max())  # a host tensor: no device sync
+            if top >= self.max_position:
+                raise ValueError(f"position {top} is past max_position_embeddings={self.max_position}")
+        if token_ids is not None and token_ids.device.type == "cpu":
+            token_ids = h2d(token_ids, self.device)
         graph_ok = self.graphs is not None and token_ids is not None and inputs.attn.is_decode
         self.last_run_replayed = graph_ok and inputs.padded_rows in self.graphs.batch_sizes
         if self.last_run_replayed:
@@ -58,5 +68,5 @@ class ModelRunner:
         if inputs.padded_rows != n:
             raise ValueError("padded step inputs without a captured graph")
         self.backend.plan(inputs.attn)
-        ctx = ForwardContext(self.backend, self.cache.kv, inputs.attn.slots.to(self.device, non_blocking=True))
-        return self.model(embeds.to(self.device), inputs.positions.to(self.device, non_blocking=True), ctx)
+        ctx = ForwardContext(self.backend, self.cache.kv, h2d(inputs.attn.slots, self.device), self.ops)
+        return self.model(embeds.to(self.device), h2d(inputs.positions, self.device), ctx)

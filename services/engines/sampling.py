@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import torch
+
 from mstar.services.engines.batch import h2d
 
 

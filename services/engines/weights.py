@@ -1,4 +1,5 @@
-"""Load a Hugging Face safetensors checkpoint directory into a module by parameter name.
+"""Load a Hugging Face safetensors checkpoint directory into a module by parameter name
+(fused parameters such as ``qkv_proj`` from the checkpoint tensors they stack).
 
 Accepts ``model.safetensors``, sharded ``*.safetensors`` with ``model.safetensors.index.json``,
 or any ``*.safetensors`` set. Strict: a missing, unexpected or mis-shaped tensor raises
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,46 +52,110 @@ def checkpoint_files(directory: str | Path) -> dict[str, Path]:
     return out
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: rows [start, start + rows) of dim 0 of ``param``
+    (``rows`` None: the whole parameter)."""
+
+    param: str
+    start: int = 0
+    rows: int | None = None
+
+
+def checkpoint_targets(module: nn.Module) -> dict[str, Target]:
+    """Checkpoint tensor name -> its target. A parameter loads from its own name unless its
+    module fuses checkpoint modules: a submodule's ``checkpoint_rows()`` maps a fused child
+    (``qkv_proj``) to the checkpoint children stacked along its rows (``q_proj``, ``k_proj``,
+    ``v_proj`` with their row counts), for each of the child's parameters (weight, bias)."""
+    targets = {name: Target(name) for name, _ in module.named_parameters(remove_duplicate=False)}
+    for prefix, sub in module.named_modules():
+        rows_of = getattr(sub, "checkpoint_rows", None)
+        if rows_of is None:
+            continue
+        dot = f"{prefix}." if prefix else ""
+        for fused, parts in rows_of().items():
+            for pname in [n for n in targets if n.startswith(f"{dot}{fused}.")]:
+                suffix = pname[len(f"{dot}{fused}.") :]
+                del targets[pname]
+                start = 0
+                for part, rows in parts:
+                    targets[f"{dot}{part}.{suffix}"] = Target(pname, start, rows)
+                    start += rows
+    return targets
+
+
 def load_checkpoint(
     module: nn.Module,
     directory: str | Path,
     ignore: Iterable[str] = DEFAULT_IGNORE,
     tied: dict[str, str] | None = None,
 ) -> None:
-    """Copy every parameter of ``module`` from the checkpoint, casting to the parameter's dtype.
+    """Copy every parameter of ``module`` from the checkpoint, casting to the parameter's dtype
+    (fused parameters from their parts, see ``checkpoint_targets``).
 
     ``tied`` maps a parameter that may be absent from the checkpoint to the one it shares
     storage with (default: ``lm_head.weight`` -> ``model.embed_tokens.weight`` when the
     module ties them).
     """
     where = checkpoint_files(directory)
-    params = dict(module.named_parameters(remove_duplicate=False))
+    files = ", ".join(sorted({f.name for f in where.values()}))
+    names = _plan(module, where, ignore, tied, lambda n: f"{where[n]}", f"{directory}", f"looked in {files}")
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(where[name], []).append(name)
+    targets, params = checkpoint_targets(module), dict(module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for f, file_names in by_file.items():
+            with safe_open(str(f), framework="pt") as sf:
+                for name in file_names:
+                    _copy(params, targets[name], name, sf.get_tensor(name), str(f))
+
+
+def load_state_dict(
+    module: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    tied: dict[str, str] | None = None,
+    source: str = "state dict",
+) -> None:
+    """``load_checkpoint`` from tensors in memory under checkpoint names (a Hugging Face
+    model's ``state_dict()``), with the same checks."""
+    names = _plan(module, tensors, ignore, tied, lambda n: source, source, "not in the state dict")
+    targets, params = checkpoint_targets(module), dict(module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name in names:
+            _copy(params, targets[name], name, tensors[name], source)
+
+
+def _plan(module: nn.Module, available: Mapping[str, object], ignore: Iterable[str], tied: dict[str, str] | None,
+          origin: Callable[[str], str], source: str, looked: str) -> list[str]:
+    """Checkpoint names to copy; raises on an unexpected or a missing tensor."""
+    targets = checkpoint_targets(module)
     tied = _default_ties(module) if tied is None else tied
     skip = [re.compile(p) for p in ignore]
-    extra = [n for n in where if n not in params and not any(p.match(n) for p in skip)]
+    extra = [n for n in available if n not in targets and not any(p.match(n) for p in skip)]
     if extra:
         raise WeightLoadError(
-            f"{where[extra[0]]}: tensor '{extra[0]}' has no parameter in {type(module).__name__}"
+            f"{origin(extra[0])}: tensor '{extra[0]}' has no parameter in {type(module).__name__}"
             + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
         )
-    by_file: dict[Path, list[str]] = {}
-    for name in params:
-        if name in where:
-            by_file.setdefault(where[name], []).append(name)
-        elif tied.get(name) not in where:
-            files = sorted({f.name for f in where.values()})
-            raise WeightLoadError(f"{directory}: tensor '{name}' missing (looked in {', '.join(files)})")
-    with torch.no_grad():
-        for f, names in by_file.items():
-            with safe_open(str(f), framework="pt") as sf:
-                for name in names:
-                    t = sf.get_tensor(name)
-                    p = params[name]
-                    if tuple(t.shape) != tuple(p.shape):
-                        raise WeightLoadError(
-                            f"{f}: tensor '{name}' has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}"
-                        )
-                    p.copy_(t.to(p.dtype))
+    names = []
+    for name in targets:
+        if name in available:
+            names.append(name)
+        elif tied.get(name) not in available:
+            raise WeightLoadError(f"{source}: tensor '{name}' missing ({looked})")
+    return names
+
+
+def _copy(params: dict[str, nn.Parameter], target: Target, name: str, t: torch.Tensor, source: str) -> None:
+    p = params[target.param]
+    dst = p if target.rows is None else p[target.start : target.start + target.rows]
+    if tuple(t.shape) != tuple(dst.shape):
+        raise WeightLoadError(
+            f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}"
+        )
+    dst.copy_(t.to(p.dtype))
 
 
 def _default_ties(module: nn.Module) -> dict[str, str]:

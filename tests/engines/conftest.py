@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import tiny_hf_config
+
 from mstar.services.engines import LlamaForCausalLM
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from mstar.services.engines import EngineConfig, KVCacheEngine, LlamaForCausalLM
 
 PAGE_SIZE = 4
@@ -43,9 +44,7 @@ def dense_hidden(model: LlamaForCausalLM, embeds: torch.Tensor, positions: torch
         a = layer.self_attn
         x = layer.input_layernorm(h)
         n, hs = x.shape[0], a.heads
-        q = a.q_proj(x).view(n, hs.num_qo_heads, hs.head_dim)
-        k = a.k_proj(x).view(n, hs.num_kv_heads, hs.head_dim)
-        v = a.v_proj(x).view(n, hs.num_kv_heads, hs.head_dim)
+        q, k, v = a.qkv(x)
         q, k = a.rope(q, k, positions)
         k, v = k.repeat_interleave(hs.group, 1), v.repeat_interleave(hs.group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hs.head_dim)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from mstar.services.engines import AttentionBatch, HeadShape, TorchPagedAttention, build_csr
 
 HEADS = HeadShape(num_qo_heads=6, num_kv_heads=2, head_dim=8)

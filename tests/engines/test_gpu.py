@@ -1,4 +1,5 @@
-"""GPU-only: FlashInfer backend vs the torch reference, and CUDA-graph decode vs eager.
+"""GPU-only: FlashInfer attention and fused kernels vs the torch reference, and CUDA-graph
+decode with fused kernels vs the eager torch reference.
 
 head_dim 128 and bf16 throughout, so these reuse the JIT kernels the benchmarks build."""
 
@@ -7,9 +8,11 @@ import importlib.util
 import pytest
 import torch
 from engine_helpers import tiny_hf_config
+
 from mstar.services.engines import (
     AttentionBatch,
     EngineConfig,
+    ForwardItem,
     HeadShape,
     KVCacheEngine,
     LlamaForCausalLM,
@@ -62,7 +65,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, attention="flashinfer")
     graphs = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=True, overlap=True))
     eager = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=False, overlap=False))
-    assert graphs.cuda_graphs and graphs.overlap
+    assert graphs.cuda_graphs and graphs.overlap and graphs.ops.name == eager.ops.name == "flashinfer"
     a, b = graphs.generate(prompts, greedy), eager.generate(prompts, greedy)
     assert graphs.stats.graph_steps >= 10 and graphs.stats.pipelined_steps >= 5
     same = sum(x == y for k in prompts for x, y in zip(a[k], b[k], strict=True))
@@ -70,3 +73,73 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     # that sequence); broken replay (stale inputs, wrong pages) agrees on almost nothing.
     assert same >= 0.75 * 3 * 12, (a, b)
     assert graphs.cache.num_free_pages == graphs.cache.allocator.num_usable
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    assert torch.isfinite(got).all()
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_flashinfer_kernels_match_torch_reference(n):
+    """Each fused kernel vs the reference computed in fp32 from the same bf16 inputs."""
+    from mstar.services.engines.kernels import TORCH_OPS, FlashInferOps
+    from mstar.services.engines.layers import RopeScaling, RotaryEmbedding
+
+    dev, gen, bf = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(n), torch.bfloat16
+    fi = FlashInferOps()
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, generator=gen).to(bf)
+
+    x, res, w = rand(n, 512), rand(n, 512), rand(512).abs() + 0.5
+    assert _rel(fi.rms_norm(x, w, 1e-5), TORCH_OPS.rms_norm(x.float(), w.float(), 1e-5)) < 1e-2
+    want_h, want_r = TORCH_OPS.add_rms_norm(x.float(), res.float(), w.float(), 1e-5)
+    got_h, got_r = fi.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    assert _rel(got_h, want_h) < 1e-2 and _rel(got_r, want_r) < 1e-2
+    y = rand(n, 2 * 384)
+    assert _rel(fi.silu_and_mul(y), TORCH_OPS.silu_and_mul(y.float())) < 1e-2
+    # RoPE in place on q and k viewed inside one fused qkv row; v must stay untouched
+    rope = RotaryEmbedding(128, 500000.0, RopeScaling(32.0, 1.0, 4.0, 8192), max_positions=4096).to(dev)
+    qkv = rand(n, (8 + 2 * 2) * 128)
+    before = qkv.clone()
+    q, k, _v = (t.view(n, -1, 128) for t in qkv.split([8 * 128, 2 * 128, 2 * 128], dim=-1))
+    positions = torch.randint(0, 4096, (n,), device=dev, generator=gen)
+    want_q, want_k = TORCH_OPS.rope(rope, q.float(), k.float(), positions)
+    fi.rope(rope, q, k, positions)
+    assert _rel(qkv[:, : 8 * 128].view(n, 8, 128), want_q) < 1e-2
+    assert _rel(qkv[:, 8 * 128 : 10 * 128].view(n, 2, 128), want_k) < 1e-2
+    assert torch.equal(qkv[:, 10 * 128 :], before[:, 10 * 128 :])
+
+
+def test_fused_kernels_are_as_accurate_as_torch_kernels(tmp_path):
+    """The whole decoder in bf16 with FlashInfer kernels (and column-major weights) vs with the
+    torch reference kernels, each against the same weights in fp32: prefills of 8 prompts and a
+    pass over their cached prefixes. A well-conditioned model (initializer_range 0.05): at 0.3
+    attention is nearly one-hot and either path's error swings between 3% and 13% with the prompt
+    (CPU emulation of the fused numerics: 0.84% vs 0.89% here)."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(1)
+    cfg = tiny_hf_config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                         initializer_range=0.05)
+    HFLlama(cfg).save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
+    w = model.model.layers[0].mlp.gate_up_proj.weight
+    assert w.stride() == (1, w.shape[0])  # from_pretrained on CUDA stores projections column-major
+    fp32 = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device="cuda")
+    base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, cuda_graphs=False, overlap=False)
+    engines = {
+        "fused": KVCacheEngine(model, EngineConfig(**base, attention="flashinfer", kernels="flashinfer")),
+        "torch": KVCacheEngine(model, EngineConfig(**base, attention="flashinfer", kernels="torch")),
+        "fp32": KVCacheEngine(fp32, EngineConfig(**base, attention="torch", kernels="torch")),
+    }
+    prompts = [torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(s)) for s in range(8)]
+    logits = {}
+    for name, eng in engines.items():
+        hs = eng.forward([ForwardItem(f"r{i}", token_ids=p) for i, p in enumerate(prompts)])
+        hs += eng.forward([ForwardItem(f"r{i}", token_ids=p[:3]) for i, p in enumerate(prompts)])  # cached prefix
+        logits[name] = eng.logits(torch.cat(hs))
+    err_fused, err_torch = _rel(logits["fused"], logits["fp32"]), _rel(logits["torch"], logits["fp32"])
+    assert err_fused < 2e-2 and err_fused < 1.3 * err_torch, (err_fused, err_torch)

@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 from engine_helpers import make_engine
+
 from mstar.services.engines import ForwardItem, SamplingParams, SeqStatus, StepFailed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

@@ -5,6 +5,7 @@ Tolerance: atol 1e-4 on logits (they are O(1): initializer_range 0.3)."""
 import pytest
 import torch
 from engine_helpers import causal_mask, dense_hidden, make_engine
+
 from mstar.services.engines import ForwardItem, LlamaConfig, SamplingParams
 
 ATOL = 1e-4
@@ -65,3 +66,21 @@ def test_scheduled_greedy_generation_matches_transformers(tiny_model, hf_model, 
             want = hf_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
         assert out[rid] == want.tolist(), rid
     assert eng.cache.num_free_pages == start
+
+
+def test_column_major_weights_give_the_same_logits(tiny_model):
+    """The CUDA load-time layout (projection weights stored transposed) changes no value."""
+    import copy
+
+    from mstar.services.engines.layers import set_weight_layout
+
+    ids = torch.arange(3, 14)
+    want = tiny_model.compute_logits(dense_hidden(tiny_model, tiny_model.embed(ids), torch.arange(11), causal_mask(11)))
+    model = copy.deepcopy(tiny_model)
+    set_weight_layout(model, column_major=True)
+    w = model.model.layers[1].self_attn.qkv_proj.weight
+    assert w.stride() == (1, w.shape[0]) and torch.equal(w, tiny_model.model.layers[1].self_attn.qkv_proj.weight)
+    got = model.compute_logits(dense_hidden(model, model.embed(ids), torch.arange(11), causal_mask(11)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    set_weight_layout(model, column_major=False)
+    assert all(p.is_contiguous() for p in model.parameters())

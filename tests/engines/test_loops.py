@@ -2,6 +2,7 @@
 
 import torch
 from engine_helpers import causal_mask, dense_hidden, make_engine
+
 from mstar.services.engines import ForwardItem, SamplingParams
 
 ATOL = 1e-4

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from mstar.services.engines import KVCacheSpec, OutOfPages, PageAllocator, PagedKVCache, build_csr
 from mstar.services.engines.kv_cache import kv_budget_bytes
 

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from mstar.services.engines import Sampler, SamplingParams
 from mstar.services.engines.sampling import (
     FinishReason,

@@ -1,6 +1,7 @@
 """The micro-scheduler on a fake cache that only counts pages."""
 
 import pytest
+
 from mstar.services.engines import OutOfPages, SamplingParams, Scheduler, SchedulerConfig, SeqStatus
 from mstar.services.engines.sequence import Sequence
 

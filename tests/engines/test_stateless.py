@@ -1,6 +1,7 @@
 import logging
 
 import torch
+
 from mstar.services.engines import StatelessEngine
 
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The engine library's GPU runs in one device call, from the repository root, with .fi/ carried:
+#   bash bench/engines/run_gpu.sh OUTDIR STAGES    (STAGES: comma-separated, in this order)
+#   jit      build FlashInfer's norm / rope / silu_and_mul JIT modules, in parallel (cached: no-op)
+#   parity   bench/engines/flashinfer_parity.py                 -> flashinfer_parity.json
+#   gemm     bench/engines/step_profile.py --parts gemm         -> step_profile.json
+#   tests    pytest tests/engines -m gpu                        -> pytest_gpu.txt
+#   profile  bench/engines/step_profile.py --parts forward,accuracy (merged into step_profile.json)
+#   bench    bench/engines/decode_bench.py (baseline runs skipped past BENCH_DEADLINE) -> decode_bench.json
+# Packs ~/.cache/flashinfer into OUTDIR/fi-jit-cache.tgz at the end (copy it to .fi/).
+set -u -o pipefail
+OUT=${1:?OUTDIR}; STAGES=",${2:-jit,parity,gemm,tests,profile,bench},"
+T0=$(date +%s)
+mkdir -p /tmp/site && tar -C /tmp/site -xJf .fi/flashinfer-site.tar.xz
+mkdir -p ~/.cache && if [ -f .fi/fi-jit-cache.tgz ]; then tar -C ~/.cache -xzf .fi/fi-jit-cache.tgz; fi
+mkdir -p /tmp/pkg/mstar && for f in mstar/*; do ln -sfn "$PWD/$f" /tmp/pkg/mstar/; done
+for d in services models conductor gateway; do ln -sfn "$PWD/$d" /tmp/pkg/mstar/$d; done
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+has() { [[ $STAGES == *",$1,"* ]]; }
+if has jit; then
+  stamp "jit start"
+  for m in "norm import gen_norm_module as g; g()" "rope import gen_rope_module as g; g()" \
+           "activation import gen_act_and_mul_module as g; g('silu')"; do
+    python -c "from flashinfer.jit.$m.build_and_load()" > "/tmp/jit_${m%% *}.log" 2>&1 &
+  done
+fi
+if has parity; then stamp parity; python bench/engines/flashinfer_parity.py --out "$OUT/flashinfer_parity.json"; fi
+if has gemm; then stamp gemm; python bench/engines/step_profile.py --parts gemm --out "$OUT/step_profile.json"; fi
+if has jit; then wait; stamp "jit done"; tail -n 3 /tmp/jit_*.log; fi
+if has tests; then
+  stamp tests
+  # from tests/engines: at the root, `import mstar` would find ./mstar rather than the package tree above
+  (cd tests/engines && python -m pytest . -m gpu -q -o addopts="" -p no:cacheprovider 2>&1) \
+    | tee "$OUT/pytest_gpu.txt" | tail -n 15
+fi
+if has profile; then
+  stamp profile; python bench/engines/step_profile.py --parts forward,accuracy --out "$OUT/step_profile.json"
+fi
+if has bench; then
+  stamp bench
+  python bench/engines/decode_bench.py --out "$OUT/decode_bench.json" --deadline "${BENCH_DEADLINE:-$(( T0 + 540 ))}"
+fi
+stamp "pack"
+tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer
+stamp done
