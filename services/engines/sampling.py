@@ -108,24 +108,36 @@ def apply_allowed_ranges(logits: torch.Tensor, ranges: Sequence[tuple[tuple[int,
     return logits
 
 
-def apply_repetition_penalty(logits: torch.Tensor, histories: Sequence[Sequence[int]],
-                             penalties: Sequence[float]) -> torch.Tensor:
-    """HF convention: a seen token's positive logit is divided by the penalty, a negative one multiplied.
-    One gather and one scatter for the whole batch (repeated ids write the same value)."""
-    rows, ids, pens = [], [], []
-    for row, (seen, pen) in enumerate(zip(histories, penalties, strict=True)):
-        if pen != 1.0 and seen:
-            rows.extend([row] * len(seen))
-            ids.extend(seen)
-            pens.extend([pen] * len(seen))
-    if not rows:
-        return logits
-    r = h2d(torch.tensor(rows), logits.device)
-    c = h2d(torch.tensor(ids), logits.device)
-    p = h2d(torch.tensor(pens, dtype=logits.dtype), logits.device)
-    x = logits[r, c]
-    logits[r, c] = torch.where(x > 0, x / p, x * p)
-    return logits
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: Sequence[float]) -> torch.Tensor:
+    """HF convention: a seen token's positive logit is divided by the penalty, a negative one
+    multiplied. ``seen`` is a [B, V] bool mask; one fused pass over the batch."""
+    pen = h2d(torch.tensor(penalties, dtype=logits.dtype), logits.device)[:, None]
+    penalized = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, penalized, logits, out=logits)
+
+
+class SeenTokens:
+    """Per-sequence [V] masks of the ids a sequence holds, updated with only the ids added
+    since the last step (a history is the sequence's own growing token list)."""
+
+    def __init__(self) -> None:
+        self._masks: dict[int, tuple[Sequence[int], int, torch.Tensor]] = {}
+
+    def masks(self, histories: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+        rows = []
+        for h in histories:
+            entry = self._masks.get(id(h))
+            if entry is None or entry[0] is not h or entry[1] > len(h):
+                entry = (h, 0, torch.zeros(vocab, dtype=torch.bool, device=device))
+            _, done, mask = entry
+            if len(h) > done:
+                mask[h2d(torch.tensor(h[done:]), device)] = True
+            self._masks[id(h)] = (h, len(h), mask)
+            rows.append(mask)
+        if len(self._masks) > 4 * len(histories) + 256:  # forget sequences that left
+            live = {id(h) for h in histories}
+            self._masks = {k: v for k, v in self._masks.items() if k in live}
+        return torch.stack(rows)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -154,6 +166,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._seen = SeenTokens()
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -166,8 +181,9 @@ class Sampler:
         logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # masks write in place
         dev = logits.device
         apply_allowed_ranges(logits, [p.allowed_token_ranges for p in params])
-        if histories is not None:
-            apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params])
+        if histories is not None and any(p.repetition_penalty != 1.0 for p in params):
+            seen = self._seen.masks(histories, logits.shape[-1], dev)
+            apply_repetition_penalty(logits, seen, [p.repetition_penalty for p in params])
         out = logits.argmax(-1)
         if all(p.greedy for p in params):  # decided on the host: no device sync
             return out

@@ -34,11 +34,18 @@ def test_top_k_top_p_min_p_masks_on_a_known_distribution():
 def test_repetition_penalty_follows_hf_convention():
     from transformers import RepetitionPenaltyLogitsProcessor
 
+    from mstar.services.engines.sampling import SeenTokens
+
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    ours = apply_repetition_penalty(logits.clone(), [[0, 1, 1]], [2.0])
+    history = [0, 1, 1]
+    seen = SeenTokens()
+    ours = apply_repetition_penalty(logits.clone(), seen.masks([history], 4, logits.device), [2.0])
     assert ours.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # positive divided, negative multiplied
-    hf = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 1, 1]]), logits.clone())
+    hf = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([history]), logits.clone())
     torch.testing.assert_close(ours, hf)
+    history.append(3)  # the mask follows the growing history incrementally
+    ours = apply_repetition_penalty(logits.clone(), seen.masks([history], 4, logits.device), [2.0])
+    torch.testing.assert_close(ours, RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([history]), logits.clone()))
 
 
 def test_greedy_is_deterministic_and_picks_argmax():

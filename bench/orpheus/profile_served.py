@@ -1,0 +1,76 @@
+"""Where the served Orpheus path spends its time on the GPU host: runs N streams through
+the mesh and samples the node-group process with py-spy (all threads, native frames off).
+
+    python bench/orpheus/profile_served.py --out $OUT/profile.txt --streams 64
+"""
+
+import argparse
+import asyncio
+import collections
+import json
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench_orpheus import mstar_level, write_checkpoints  # noqa: I001  (same folder)
+
+from mstar.config import load_config
+from mstar.launcher import LaunchOptions, Mesh
+
+
+def summarize(raw: Path, top: int = 40) -> str:
+    self_t, incl = collections.Counter(), collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        n = int(n)
+        total += n
+        frames = stack.split(";")
+        self_t[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    out = [f"samples: {total}", "", "## self"]
+    out += [f"{100 * c / total:5.1f}%  {f}" for f, c in self_t.most_common(top)]
+    out += ["", "## inclusive (mstar code)"]
+    out += [f"{100 * c / total:5.1f}%  {f}" for f, c in incl.most_common(400) if "/mstar/" in f or "main/" in f][:top]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--streams", type=int, default=64)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="orpheus-prof-"))
+    write_checkpoints(root, tiny=False)
+    cfg = root / "orpheus.yaml"
+    cfg.write_text(json.dumps({"model": "orpheus", "node_groups": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"]}],
+                               "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256}}))
+    mesh = Mesh(load_config(cfg), LaunchOptions(cfg, port=0, grpc_port=0, gpus=[0], cache_dir=str(root),
+                                                log_level="WARNING", startup_timeout_s=300))
+    mesh.start()
+    try:
+        asyncio.run(mstar_level(mesh.conductor_address, 4, 64))
+        pid = next(s.proc.pid for s in mesh.services if s.name == "orpheus")
+        raw = Path(args.out).with_suffix(".raw")
+
+        def spy():
+            time.sleep(3)
+            subprocess.run(["py-spy", "record", "-p", str(pid), "-d", "8", "-r", "200", "-f", "raw", "--threads",
+                            "-o", str(raw), "--nonblocking"], check=False, capture_output=True)
+
+        t = threading.Thread(target=spy)
+        t.start()
+        r = asyncio.run(mstar_level(mesh.conductor_address, args.streams, 700))
+        t.join()
+        Path(args.out).write_text(json.dumps(r) + "\n\n" + summarize(raw))
+    finally:
+        mesh.stop()
+
+
+if __name__ == "__main__":
+    main()
