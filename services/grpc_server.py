@@ -6,6 +6,7 @@ import grpc
 import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from mstar.services.links import CHANNEL_OPTIONS
 
 

@@ -13,10 +13,10 @@ import threading
 
 import numpy as np
 import torch
-from mstar.services.transport.base import TensorSender
 
 from mstar import wire
 from mstar.env import settings
+from mstar.services.transport.base import TensorSender
 from mstar.v1 import tensor_pb2 as pb
 
 SHM_DIR = "/dev/shm"

@@ -2,6 +2,8 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from mstar.models.orpheus.checkpoint import (
     CheckpointError,
     load_tensors,
@@ -10,7 +12,6 @@ from mstar.models.orpheus.checkpoint import (
     tensor_shapes,
     validate_shapes,
 )
-from safetensors.torch import save_file
 
 TENSORS = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.weight": torch.ones(4), "c.bias": torch.zeros(1)}
 SHAPES = {k: tuple(v.shape) for k, v in TENSORS.items()}

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from mstar.models.orpheus import tokens as T
 from mstar.models.orpheus.checkpoint import (
     llama_tensor_shapes,

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+
 from mstar.models.orpheus.snac import SnacDecoder, load_snac_decoder
 from mstar.models.orpheus.snac_config import SnacConfig
 

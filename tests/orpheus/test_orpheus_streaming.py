@@ -15,6 +15,7 @@ window and whole differ by up to ~0.6 here: the noise is a different draw per de
 
 import pytest
 import torch
+
 from mstar.models.orpheus.snac import load_snac_decoder
 from mstar.models.orpheus.streaming import (
     code_tensors,

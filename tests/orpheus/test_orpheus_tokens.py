@@ -1,6 +1,7 @@
 import random
 
 import pytest
+
 from mstar.models.orpheus import tokens as T
 
 
