@@ -9,16 +9,10 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mstar import wire
-from mstar.models.base import InputFile, Output, Prompt
+from mstar.models.base import InputFile, InvalidArgument, Output, Prompt
 from mstar.v1 import conductor_pb2 as cpb
 
 MODALITY = {1: cpb.MODALITY_TEXT, 2: cpb.MODALITY_IMAGE, 3: cpb.MODALITY_AUDIO, 4: cpb.MODALITY_ACTION, 5: cpb.MODALITY_LATENT}
-
-
-class BadField(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.description = field, message
 
 
 def invalid_argument_status(field: str, message: str) -> grpc.Status:
@@ -35,11 +29,11 @@ def prompt_from_request(req: cpb.GenerateRequest) -> Prompt:
         try:
             kwargs = json.loads(req.model_kwargs_json)
         except json.JSONDecodeError as e:
-            raise BadField("model_kwargs_json", f"not valid JSON: {e}") from None
+            raise InvalidArgument("model_kwargs_json", f"not valid JSON: {e}") from None
         if not isinstance(kwargs, dict):
-            raise BadField("model_kwargs_json", "must be a JSON object")
+            raise InvalidArgument("model_kwargs_json", "must be a JSON object")
     if req.timeout_s < 0:
-        raise BadField("timeout_s", "must be >= 0")
+        raise InvalidArgument("timeout_s", "must be >= 0")
     files = [InputFile(f.name, f.content_type, f.data) for f in req.files]
     return Prompt(req.text, files, kwargs)
 

@@ -13,7 +13,7 @@ import uuid
 import grpc
 
 from mstar import metrics
-from mstar.conductor.convert import BadField, invalid_argument_status, output_to_proto, prompt_from_request
+from mstar.conductor.convert import invalid_argument_status, output_to_proto, prompt_from_request
 from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
 from mstar.config import Placement, load_config
 from mstar.models.base import InvalidArgument
@@ -42,7 +42,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             prompt = prompt_from_request(request)
             prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
             state = self.model.process_prompt(prompt)
-        except (BadField, InvalidArgument) as e:
+        except InvalidArgument as e:
             self.metrics.rejected("INVALID_ARGUMENT")
             await context.abort_with_status(invalid_argument_status(e.field, e.description))
         if len(self.table.active) >= self.max_inflight:

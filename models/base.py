@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mstar.models.graph import EMIT_TO_CLIENT, GraphError, GraphNode, Modality, Walk
+from mstar.models.graph import GraphError, GraphNode, Modality, Walk
 from mstar.models.plan import WalkPlan, plan_walk
 
 
@@ -237,5 +237,3 @@ class Model:
     def create_submodule(self, ctx: NodeContext) -> NodeSubmodule:
         raise NotImplementedError
 
-
-__all__ = ["EMIT_TO_CLIENT"]

@@ -158,6 +158,3 @@ class Placement:
                     fed = any(p.kind is EdgeKind.DIRECT and p.edge.src in lp.nodes for p in plan.nodes[n].in_edges)
                     _expect(fed, f"walk '{walk}': loop node '{n}' runs in group '{self.host(walk, n)}', away from the loop's owner '{owner}', "
                                  f"but takes no same-iteration input from another loop node; place it with '{owner}'")
-
-    def groups_of_model(self) -> list[str]:
-        return self.config.group_names

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -40,7 +40,6 @@ class LaunchOptions:
     max_inflight: int = 256
     request_timeout_s: float = 300.0
     startup_timeout_s: float = 120.0
-    extra_env: dict[str, str] = field(default_factory=dict)
     envoy: bool = False  # also run the xDS control plane and an Envoy front proxy
     envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
 
@@ -109,7 +108,7 @@ class Mesh:
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:
-        env = {**os.environ, "MSTAR_SHM_PREFIX": self.shm_prefix, **self.opts.extra_env}
+        env = {**os.environ, "MSTAR_SHM_PREFIX": self.shm_prefix}
         try:
             for kind in ("node_group", "conductor", "gateway", "xds", "envoy"):
                 batch = [s for s in self.services if s.kind == kind]

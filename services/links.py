@@ -32,10 +32,6 @@ MAX_FRAMES_PER_BATCH = 512
 OnDown = Callable[[str, str, set[str]], None]  # (peer, reason, request ids)
 
 
-class LinkDown(Exception):
-    pass
-
-
 class Link:
     def __init__(self, sender_name: str, peer: str, address: str, kind: str, protocol: Protocol, on_down: OnDown):
         self.sender_name, self.peer, self.address, self.kind = sender_name, peer, address, kind

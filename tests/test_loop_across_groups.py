@@ -1,6 +1,7 @@
 """A loop split over two node groups: the owner decides the end, the other group
 learns it by LOOP_END; carried values, exits and persisted values cross groups."""
 
+import grpc
 import pytest
 import torch
 
@@ -87,5 +88,28 @@ def test_loop_split_over_two_groups(protocol):
                 assert vals["tock"] == list(range(1, n + 1))  # the far side ran exactly the owner's iterations
                 assert vals["total"] == [n * (n + 1) // 2]  # accumulated exit crossed back
                 assert final.usage.walks == 2
+            await wait_released(mesh)
+    run(go())
+
+
+class SkipsPrep(PingPong):
+    name = "pingpong_skip"
+
+    def next_walk(self, state, finished):
+        return WalkSeed("play") if finished is None else None  # "start" was never given nor persisted
+
+
+register("pingpong_skip", f"{__name__}:SkipsPrep")
+
+
+def test_a_walk_input_nobody_provided_fails_the_request_naming_it():
+    cfg = parse_config({"model": "pingpong_skip", "node_groups": [{"name": "all", "node_names": ["src", "a", "b", "c"]}]})
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(mesh.stub, cpb.GenerateRequest(model="pingpong_skip", text="3"))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "input 'start' for node 'a'" in e.value.details()
             await wait_released(mesh)
     run(go())

@@ -14,7 +14,7 @@ import torch
 from mstar import metrics
 from mstar.config import Placement
 from mstar.models.base import Model, NodeCall, NodeSubmodule
-from mstar.models.graph import StreamingGraphEdge
+from mstar.models.graph import INPUT, StreamingGraphEdge
 from mstar.models.plan import EdgeKind
 from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
@@ -31,14 +31,16 @@ class RequestFailed(Exception):
 
 
 class Router:
-    def __init__(self, group: str, model: Model, placement: Placement, links: Links):
-        self.group, self.model, self.placement, self.links = group, model, placement, links
+    def __init__(self, group: str, model: Model, placement: Placement, links: Links, spawn: Callable):
+        """``spawn(req, parent, dst_walk, edge, chunks)`` starts chunk walks for local stream chunks."""
+        self.group, self.model, self.placement, self.links, self.spawn = group, model, placement, links, spawn
         self._local_edges = metrics.EdgeMetrics(group, group)
         host = placement.host
         self.local: dict[str, tuple[str, ...]] = {}
         self.owner_loops: dict[str, frozenset[str]] = {}
         self.loop_peers: dict[tuple[str, str], list[str]] = {}
         self.persisted: dict[str, set[tuple[str, str]]] = {}
+        self.inputs: dict[str, list[tuple[str, str]]] = {}  # walk -> (node, input) read here
         self.streams_in: dict[str, dict[tuple[str, str], StreamingGraphEdge]] = {}
         for walk, plan in model.plans.items():
             self.local[walk] = tuple(n for n in plan.nodes if host(walk, n) == group)
@@ -46,8 +48,12 @@ class Router:
             for lp in plan.loops.values():
                 self.loop_peers[(walk, lp.name)] = sorted({host(walk, n) for n in lp.nodes} - {group})
             self.persisted[walk] = {(e.dst, e.name) for e in plan.walk.edges if e.persist}
+            self.inputs[walk] = [(e.dst, e.name) for e in plan.walk.edges if e.src == INPUT and e.dst in self.local[walk]]
             self.streams_in[walk] = {(e.dst, e.name): e for e in plan.streams
                                      if host(e.topology.dst_walk, e.dst) == group}
+
+        self.persist_targets = {(e.dst, e.name): placement.persist_targets(e.dst, e.name)
+                                for plan in model.plans.values() for e in plan.walk.edges if e.persist}
 
     def new_instance(self, key: InstanceKey) -> WalkInstance:
         walk = key[0]
@@ -56,7 +62,7 @@ class Router:
 
     # -- in ------------------------------------------------------------------------------
     def accept(self, req, inst: WalkInstance, node: str, edge: str, iteration: int,
-               value: torch.Tensor | None, done: bool, spawn: Callable) -> None:
+               value: torch.Tensor | None, done: bool) -> None:
         walk = inst.walk
         if value is not None and (node, edge) in self.persisted[walk]:
             req.persisted[(node, edge)] = value
@@ -70,7 +76,7 @@ class Router:
             if done:
                 chunks += chunker.finish()
                 inst.open_streams -= 1
-            spawn(req, inst, stream.topology.dst_walk, edge, chunks)
+            self.spawn(req, inst, stream.topology.dst_walk, edge, chunks)
         elif node in inst.plan.nodes and value is not None and self.placement.host(walk, node) == self.group:
             inst.put(node, edge, iteration, value)
 
@@ -88,7 +94,7 @@ class Router:
             if target == self.group:
                 if value is not None:
                     self._local_edges.sent(name, "local", value.numel() * value.element_size(), 0.0)
-                self.accept(req, inst, dst, name, iteration, value, done, self._local_spawn)
+                self.accept(req, inst, dst, name, iteration, value, done)
             else:
                 frame = self._frame(inst, req, K.FRAME_KIND_DATA, node=dst, edge=name, iteration=iteration, done=done)
                 self.links[target].send(frame, [(name, value)] if value is not None else [])
@@ -136,7 +142,7 @@ class Router:
                 iteration = it if kind is EdgeKind.DIRECT and lp is not None else -1
             targets = [] if kind is EdgeKind.PERSIST else [host(inst.walk, e.dst)]
             if e.persist:
-                targets += [g for g in self.placement.persist_targets(e.dst, e.name) if g not in targets]
+                targets += [g for g in self.persist_targets[(e.dst, e.name)] if g not in targets]
             self.deliver(req, inst, e.dst, e.name, iteration, value, targets)
         if lp is not None:
             self.flush_loop_outputs(req, inst, node)
@@ -163,5 +169,3 @@ class Router:
         req.persist_sent = {}
         self.links["conductor"].send(frame)
 
-    # set by the runtime: spawning chunk walks for local stream deliveries
-    _local_spawn: Callable = None  # type: ignore[assignment]

@@ -19,7 +19,6 @@ import torch
 from mstar import metrics
 from mstar.config import Placement
 from mstar.models.base import EngineNode, Model, NodeCall, NodeContext
-from mstar.models.graph import INPUT
 from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.router import RequestFailed, Router
@@ -63,8 +62,7 @@ class NodeGroupRuntime:
             if peer != group:
                 self.links.add(peer, address)
         self.links.add("conductor", conductor, kind="report")
-        self.router = Router(group, model, placement, self.links)
-        self.router._local_spawn = self._spawn_chunks
+        self.router = Router(group, model, placement, self.links, spawn=self._spawn_chunks)
         self.requests: dict[str, RequestCtx] = {}
         self.released: OrderedDict[str, None] = OrderedDict()
         self.ready: dict[tuple[str, str], deque[Pending]] = {}
@@ -112,7 +110,7 @@ class NodeGroupRuntime:
             self._unpark(req)
         elif f.kind == K.FRAME_KIND_DATA:
             value = next(iter(tensors.values()), None)
-            self.router.accept(req, inst, f.node, f.edge, f.iteration, value, f.done, self._spawn_chunks)
+            self.router.accept(req, inst, f.node, f.edge, f.iteration, value, f.done)
             self._unpark(req)
         elif f.kind == K.FRAME_KIND_LOOP_END:
             lp = inst.plan.nodes[f.node].loop
@@ -146,17 +144,15 @@ class NodeGroupRuntime:
         req.parked = waiting
 
     def _start(self, req: RequestCtx, inst: WalkInstance, given: dict[str, torch.Tensor]) -> None:
-        for e in inst.plan.walk.edges:
-            if e.src != INPUT or e.dst not in inst.local:
-                continue
-            value = given.get(e.name)
+        for node, name in self.router.inputs[inst.walk]:
+            value = given.get(name)
             if value is None:
-                value = req.persisted.get((e.dst, e.name))
+                value = req.persisted.get((node, name))
             if value is None:
                 raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"node group '{self.group}': walk '{inst.walk}' input '{e.name}' for node '{e.dst}' "
+                                    f"node group '{self.group}': walk '{inst.walk}' input '{name}' for node '{node}' "
                                     f"was neither given when the walk started nor persisted by an earlier walk")
-            inst.put(e.dst, e.name, -1, value)
+            inst.put(node, name, -1, value)
         inst.started = True
 
     def _spawn_chunks(self, req: RequestCtx, parent: WalkInstance, dst_walk: str, edge: str, chunks) -> None:
@@ -378,9 +374,6 @@ class NodeGroupRuntime:
         await self.links.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._engine_executor.shutdown(wait=False, cancel_futures=True)
-
-    def is_local(self, walk: str, node: str) -> bool:
-        return self.placement.host(walk, node) == self.group
 
 
 def _engine_call(engine: EngineNode, calls: list[NodeCall], releases: list[str], t0: float):
