@@ -20,6 +20,7 @@ from mstar.models.base import InvalidArgument
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.transport import TensorReceiver, parse_protocol
+from mstar.services.transport.location import local_location
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
 
@@ -132,9 +133,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
     def __init__(self, table: RequestTable):
         self.table = table
+        self.location = local_location("conductor")
 
     async def Report(self, request_iterator, context):
         receiver = TensorReceiver()
+        yield node_group_pb2.Ack(receiver=self.location)
         try:
             async for batch in request_iterator:
                 acks: list[int] = []
@@ -178,7 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", required=True)
     p.add_argument("--address", default="127.0.0.1:0")
     p.add_argument("--groups", required=True, help='JSON {"group": "host:port"} of every node group')
-    p.add_argument("--tensor-comm-protocol", default="SHM")
+    p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
     p.add_argument("--cache-dir", default=None, help="where tokenizers/weights live")
     p.add_argument("--max-inflight", type=int, default=256, help="admission limit (RESOURCE_EXHAUSTED beyond)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout, seconds")

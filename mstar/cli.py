@@ -25,7 +25,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", action="store_true",
                    help="demo mode: serve a tiny RANDOM checkpoint written in the real layout (no real weights needed; "
                         "output is noise)")
-    p.add_argument("--tensor-comm-protocol", default="SHM", help="SHM (same host, default), TCP (inline bytes) or RDMA")
+    p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
     p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout in seconds")

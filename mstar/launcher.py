@@ -35,7 +35,7 @@ class LaunchOptions:
     grpc_port: int = 50051  # conductor; 0 picks a free one
     gpus: list[int] | None = None
     cache_dir: str | None = None
-    protocol: str = "SHM"
+    protocol: str = "AUTO"
     log_level: str = "INFO"
     max_inflight: int = 256
     request_timeout_s: float = 300.0

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from mstar import metrics
-from mstar.services.transport import Protocol, TensorSender, make_sender
+from mstar.services.transport import LinkSender, Protocol
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Link:
         self._channel: grpc.aio.Channel | None = None
         self._queue: asyncio.Queue[node_group_pb2.Frame] = asyncio.Queue()
         self._task: asyncio.Task | None = None
-        self._tensors: TensorSender | None = None
+        self._tensors: LinkSender | None = None
         self._requests: set[str] = set()
         self._edges = metrics.EdgeMetrics(sender_name, peer)
         self.up = False
@@ -53,9 +53,8 @@ class Link:
         assert self._tensors is not None
         for name, t in tensors:
             msg, t0 = frame.tensors.add(), time.perf_counter()
-            self._tensors.encode_into(msg, name, t)
-            self._edges.sent(name, "shm" if msg.HasField("shm") else "inline", t.numel() * t.element_size(),
-                             time.perf_counter() - t0)
+            transport = self._tensors.encode_into(msg, name, t)
+            self._edges.sent(name, transport, t.numel() * t.element_size(), time.perf_counter() - t0)
         if frame.request_id:
             self._requests.add(frame.request_id)
         self._queue.put_nowait(frame)
@@ -66,7 +65,7 @@ class Link:
     def _start(self) -> None:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self._tensors = make_sender(self.protocol, self.sender_name)
+        self._tensors = LinkSender(self.protocol, self.sender_name)
         self._queue = asyncio.Queue()
         self._requests = set()
         self._task = asyncio.get_running_loop().create_task(self._run(self._tensors, self._queue))
@@ -81,7 +80,7 @@ class Link:
                 frames.append(queue.get_nowait())
             yield node_group_pb2.FrameBatch(sender=self.sender_name, frames=frames)
 
-    async def _run(self, tensors: TensorSender, queue: asyncio.Queue) -> None:
+    async def _run(self, tensors: LinkSender, queue: asyncio.Queue) -> None:
         assert self._channel is not None
         if self.kind == "report":
             call = conductor_pb2_grpc.WalkEventsStub(self._channel).Report(self._batches(queue))
@@ -91,6 +90,8 @@ class Link:
         try:
             self.up = True
             async for ack in call:
+                if ack.HasField("receiver"):
+                    tensors.set_peer(ack.receiver)
                 if ack.released_buffer_ids:
                     tensors.release(ack.released_buffer_ids)
         except grpc.aio.AioRpcError as e:

@@ -149,3 +149,19 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("group", "address", "leave")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    address: str
+    leave: bool
+    def __init__(self, group: _Optional[str] = ..., address: _Optional[str] = ..., leave: _Optional[bool] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replicas: _Optional[_Iterable[str]] = ...) -> None: ...

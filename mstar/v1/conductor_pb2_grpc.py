@@ -206,6 +206,11 @@ class WalkEventsStub:
                 request_serializer=mstar_dot_v1_dot_node__group__pb2.FrameBatch.SerializeToString,
                 response_deserializer=mstar_dot_v1_dot_node__group__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/mstar.v1.WalkEvents/Join',
+                request_serializer=mstar_dot_v1_dot_conductor__pb2.JoinRequest.SerializeToString,
+                response_deserializer=mstar_dot_v1_dot_conductor__pb2.JoinResponse.FromString,
+                _registered_method=True)
 
 
 class WalkEventsServicer:
@@ -219,6 +224,14 @@ class WalkEventsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """A node-group replica offers itself (at start) or withdraws (at drain). The
+        conductor routes new requests only to joined replicas that pass health checks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WalkEventsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +239,11 @@ def add_WalkEventsServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=mstar_dot_v1_dot_node__group__pb2.FrameBatch.FromString,
                     response_serializer=mstar_dot_v1_dot_node__group__pb2.Ack.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=mstar_dot_v1_dot_conductor__pb2.JoinRequest.FromString,
+                    response_serializer=mstar_dot_v1_dot_conductor__pb2.JoinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -256,6 +274,33 @@ class WalkEvents:
             '/mstar.v1.WalkEvents/Report',
             mstar_dot_v1_dot_node__group__pb2.FrameBatch.SerializeToString,
             mstar_dot_v1_dot_node__group__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mstar.v1.WalkEvents/Join',
+            mstar_dot_v1_dot_conductor__pb2.JoinRequest.SerializeToString,
+            mstar_dot_v1_dot_conductor__pb2.JoinResponse.FromString,
             options,
             channel_credentials,
             insecure,

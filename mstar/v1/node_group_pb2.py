@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mstar.v1 import tensor_pb2 as mstar_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mstar/v1/node_group.proto\x12\x08mstar.v1\x1a\x15mstar/v1/tensor.proto\"+\n\nFrameError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbc\x03\n\x05\x46rame\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.mstar.v1.FrameKind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04walk\x18\x03 \x01(\t\x12\x10\n\x08walk_seq\x18\x04 \x01(\r\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x06 \x01(\t\x12\x11\n\titeration\x18\x07 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x08 \x01(\x05\x12\x0c\n\x04\x64one\x18\t \x01(\x08\x12!\n\x07tensors\x18\n \x03(\x0b\x32\x10.mstar.v1.Tensor\x12#\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x14.mstar.v1.FrameError\x12\x17\n\x0fparent_walk_seq\x18\x0c \x01(\x05\x12\x1b\n\x13request_kwargs_json\x18\r \x01(\t\x12:\n\x0epersisted_sent\x18\x0e \x03(\x0b\x32\".mstar.v1.Frame.PersistedSentEntry\x12\x1a\n\x12persisted_expected\x18\x0f \x01(\r\x1a\x34\n\x12PersistedSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"=\n\nFrameBatch\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x1f\n\x06\x66rames\x18\x02 \x03(\x0b\x32\x0f.mstar.v1.Frame\"\"\n\x03\x41\x63k\x12\x1b\n\x13released_buffer_ids\x18\x01 \x03(\x04*\xd0\x01\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46RAME_KIND_DATA\x10\x01\x12\x19\n\x15\x46RAME_KIND_START_WALK\x10\x02\x12\x17\n\x13\x46RAME_KIND_LOOP_END\x10\x03\x12\x16\n\x12\x46RAME_KIND_RELEASE\x10\x04\x12\x13\n\x0f\x46RAME_KIND_EMIT\x10\x05\x12\x1c\n\x18\x46RAME_KIND_FRAGMENT_DONE\x10\x06\x12\x13\n\x0f\x46RAME_KIND_FAIL\x10\x07\x32@\n\tNodeGroup\x12\x33\n\x08\x45xchange\x12\x14.mstar.v1.FrameBatch\x1a\r.mstar.v1.Ack(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mstar/v1/node_group.proto\x12\x08mstar.v1\x1a\x15mstar/v1/tensor.proto\"+\n\nFrameError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x98\x04\n\x05\x46rame\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.mstar.v1.FrameKind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04walk\x18\x03 \x01(\t\x12\x10\n\x08walk_seq\x18\x04 \x01(\r\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x06 \x01(\t\x12\x11\n\titeration\x18\x07 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x08 \x01(\x05\x12\x0c\n\x04\x64one\x18\t \x01(\x08\x12!\n\x07tensors\x18\n \x03(\x0b\x32\x10.mstar.v1.Tensor\x12#\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x14.mstar.v1.FrameError\x12\x17\n\x0fparent_walk_seq\x18\x0c \x01(\x05\x12\x1b\n\x13request_kwargs_json\x18\r \x01(\t\x12:\n\x0epersisted_sent\x18\x0e \x03(\x0b\x32\".mstar.v1.Frame.PersistedSentEntry\x12\x1a\n\x12persisted_expected\x18\x0f \x01(\r\x12+\n\x06routes\x18\x10 \x03(\x0b\x32\x1b.mstar.v1.Frame.RoutesEntry\x1a\x34\n\x12PersistedSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a-\n\x0bRoutesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\nFrameBatch\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x1f\n\x06\x66rames\x18\x02 \x03(\x0b\x32\x0f.mstar.v1.Frame\"\x85\x01\n\x08Location\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0f\n\x07process\x18\x03 \x01(\t\x12\x11\n\tgpu_uuids\x18\x04 \x03(\t\x12\x18\n\x10mooncake_session\x18\x05 \x01(\t\x12\x19\n\x11mooncake_protocol\x18\x06 \x01(\t\"H\n\x03\x41\x63k\x12\x1b\n\x13released_buffer_ids\x18\x01 \x03(\x04\x12$\n\x08receiver\x18\x02 \x01(\x0b\x32\x12.mstar.v1.Location*\xd0\x01\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46RAME_KIND_DATA\x10\x01\x12\x19\n\x15\x46RAME_KIND_START_WALK\x10\x02\x12\x17\n\x13\x46RAME_KIND_LOOP_END\x10\x03\x12\x16\n\x12\x46RAME_KIND_RELEASE\x10\x04\x12\x13\n\x0f\x46RAME_KIND_EMIT\x10\x05\x12\x1c\n\x18\x46RAME_KIND_FRAGMENT_DONE\x10\x06\x12\x13\n\x0f\x46RAME_KIND_FAIL\x10\x07\x32@\n\tNodeGroup\x12\x33\n\x08\x45xchange\x12\x14.mstar.v1.FrameBatch\x1a\r.mstar.v1.Ack(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FRAME_PERSISTEDSENTENTRY']._loaded_options = None
   _globals['_FRAME_PERSISTEDSENTENTRY']._serialized_options = b'8\001'
-  _globals['_FRAMEKIND']._serialized_start=654
-  _globals['_FRAMEKIND']._serialized_end=862
+  _globals['_FRAME_ROUTESENTRY']._loaded_options = None
+  _globals['_FRAME_ROUTESENTRY']._serialized_options = b'8\001'
+  _globals['_FRAMEKIND']._serialized_start=920
+  _globals['_FRAMEKIND']._serialized_end=1128
   _globals['_FRAMEERROR']._serialized_start=62
   _globals['_FRAMEERROR']._serialized_end=105
   _globals['_FRAME']._serialized_start=108
-  _globals['_FRAME']._serialized_end=552
-  _globals['_FRAME_PERSISTEDSENTENTRY']._serialized_start=500
-  _globals['_FRAME_PERSISTEDSENTENTRY']._serialized_end=552
-  _globals['_FRAMEBATCH']._serialized_start=554
-  _globals['_FRAMEBATCH']._serialized_end=615
-  _globals['_ACK']._serialized_start=617
-  _globals['_ACK']._serialized_end=651
-  _globals['_NODEGROUP']._serialized_start=864
-  _globals['_NODEGROUP']._serialized_end=928
+  _globals['_FRAME']._serialized_end=644
+  _globals['_FRAME_PERSISTEDSENTENTRY']._serialized_start=545
+  _globals['_FRAME_PERSISTEDSENTENTRY']._serialized_end=597
+  _globals['_FRAME_ROUTESENTRY']._serialized_start=599
+  _globals['_FRAME_ROUTESENTRY']._serialized_end=644
+  _globals['_FRAMEBATCH']._serialized_start=646
+  _globals['_FRAMEBATCH']._serialized_end=707
+  _globals['_LOCATION']._serialized_start=710
+  _globals['_LOCATION']._serialized_end=843
+  _globals['_ACK']._serialized_start=845
+  _globals['_ACK']._serialized_end=917
+  _globals['_NODEGROUP']._serialized_start=1130
+  _globals['_NODEGROUP']._serialized_end=1194
 # @@protoc_insertion_point(module_scope)

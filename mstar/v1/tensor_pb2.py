@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mstar/v1/tensor.proto\x12\x08mstar.v1\"U\n\x0fSharedMemoryRef\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tbuffer_id\x18\x04 \x01(\x04\"{\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x03raw\x18\x04 \x01(\x0cH\x00\x12(\n\x03shm\x18\x05 \x01(\x0b\x32\x19.mstar.v1.SharedMemoryRefH\x00\x42\t\n\x07payloadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mstar/v1/tensor.proto\x12\x08mstar.v1\"U\n\x0fSharedMemoryRef\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tbuffer_id\x18\x04 \x01(\x04\"R\n\x0bMooncakeRef\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tbuffer_id\x18\x04 \x01(\x04\"}\n\nCudaIpcRef\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tbuffer_id\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\t\x12\x17\n\x0f\x61llocation_size\x18\x06 \x01(\x04\".\n\x08LocalRef\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x0f\n\x07process\x18\x02 \x01(\t\"\xf5\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x03raw\x18\x04 \x01(\x0cH\x00\x12(\n\x03shm\x18\x05 \x01(\x0b\x32\x19.mstar.v1.SharedMemoryRefH\x00\x12)\n\x08mooncake\x18\x06 \x01(\x0b\x32\x15.mstar.v1.MooncakeRefH\x00\x12(\n\x08\x63uda_ipc\x18\x07 \x01(\x0b\x32\x14.mstar.v1.CudaIpcRefH\x00\x12#\n\x05local\x18\x08 \x01(\x0b\x32\x12.mstar.v1.LocalRefH\x00\x42\t\n\x07payloadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SHAREDMEMORYREF']._serialized_start=35
   _globals['_SHAREDMEMORYREF']._serialized_end=120
-  _globals['_TENSOR']._serialized_start=122
-  _globals['_TENSOR']._serialized_end=245
+  _globals['_MOONCAKEREF']._serialized_start=122
+  _globals['_MOONCAKEREF']._serialized_end=204
+  _globals['_CUDAIPCREF']._serialized_start=206
+  _globals['_CUDAIPCREF']._serialized_end=331
+  _globals['_LOCALREF']._serialized_start=333
+  _globals['_LOCALREF']._serialized_end=379
+  _globals['_TENSOR']._serialized_start=382
+  _globals['_TENSOR']._serialized_end=627
 # @@protoc_insertion_point(module_scope)

@@ -23,6 +23,7 @@ from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.router import RequestFailed, Router
 from mstar.services.transport import Protocol, TensorReceiver
+from mstar.services.transport.location import local_location
 from mstar.v1 import node_group_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class NodeGroupRuntime:
         cfg = placement.config.group(group)
         self.submodules = {n: model.create_submodule(NodeContext(n, device, cache_dir, placement.config.model_kwargs))
                            for n in cfg.node_names}
+        self.location = local_location(group, device)
         self.links = Links(group, protocol, self._on_link_down)
         for peer, address in peers.items():
             if peer != group:

@@ -25,6 +25,7 @@ class NodeGroupServicer(node_group_pb2_grpc.NodeGroupServicer):
 
     async def Exchange(self, request_iterator, context):
         receiver = TensorReceiver()
+        yield node_group_pb2.Ack(receiver=self.runtime.location)
         try:
             async for batch in request_iterator:
                 acks: list[int] = []
@@ -70,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind")
     p.add_argument("--peers", default="{}", help='JSON {"group": "host:port"} of every node group')
     p.add_argument("--conductor", required=True, help="conductor host:port (for walk events)")
-    p.add_argument("--tensor-comm-protocol", default="SHM", help="SHM (same host) or TCP (inline bytes)")
+    p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--log-level", default="INFO")

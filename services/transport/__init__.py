@@ -1,12 +1,17 @@
 """Tensor transports: how a tensor's bytes reach a peer service.
 
-- TCP ("inline"): the bytes travel inside the gRPC frame. Works across hosts.
-- SHM: the sender writes into a pooled host shared-memory segment and the frame
-  carries only a reference; the receiver copies out and acknowledges so the
-  sender can reuse the buffer. Same host only. Tensors under SHM_MIN_BYTES stay
-  inline (a reference costs more than copying them).
+- inline ("TCP"): the bytes travel inside the gRPC frame. Works anywhere.
+- shm: pooled host shared-memory segments; the frame carries a reference. Same host.
+- cuda_ipc: pooled CUDA allocations shared by IPC handle; device-to-device. Same host.
+- mooncake: pooled buffers registered with a Mooncake transfer engine, read by the
+  receiver over RDMA or TCP. Any host.
+- local: the tensor object handed over between services of one process.
+
+Every pooled transport is acknowledged: the receiver returns buffer ids once it has
+copied out, and the sender reuses the buffer only then. ``LinkSender`` picks one per
+tensor (see ``base``).
 """
 
-from mstar.services.transport.base import Protocol, TensorReceiver, TensorSender, make_sender, parse_protocol
+from mstar.services.transport.base import LinkSender, Protocol, TensorReceiver, TensorSender, parse_protocol
 
-__all__ = ["Protocol", "TensorReceiver", "TensorSender", "make_sender", "parse_protocol"]
+__all__ = ["LinkSender", "Protocol", "TensorReceiver", "TensorSender", "parse_protocol"]

@@ -1,31 +1,65 @@
+"""Transport selection and the per-link sender / per-stream receiver.
+
+A link's sender learns where its peer runs from the first Ack on the stream (a
+``Location``) and then picks, per tensor, the fastest transport that works between the
+two services:
+
+- same process: hand the tensor object over (``local``);
+- same host: CUDA IPC for GPU tensors when the peer has a GPU, host shared memory
+  otherwise (``cuda_ipc`` / ``shm``);
+- other host: Mooncake (RDMA where devices exist, TCP otherwise) when both ends have
+  it, inline bytes otherwise (``mooncake`` / ``inline``).
+
+Tensors under ``MIN_REF_BYTES`` travel inline unless the peer shares the process (a
+reference costs more than the copy). Until the peer's location is known, tensors travel
+inline. ``--tensor-comm-protocol`` can force one transport instead of AUTO.
+"""
+
 from __future__ import annotations
 
 import enum
+import logging
 
 import torch
 
 from mstar import wire
+from mstar.services.transport.location import PROCESS_TOKEN, host_id
+from mstar.v1 import node_group_pb2
 from mstar.v1 import tensor_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MIN_REF_BYTES = 64 * 1024
+_ID_SHIFT = 48  # buffer ids carry their transport in the top bits
+_KINDS = ("shm", "mooncake", "cuda_ipc", "local")
 
 
 class Protocol(enum.Enum):
-    TCP = "TCP"
-    SHM = "SHM"
-    RDMA = "RDMA"
+    AUTO = "AUTO"  # pick per edge from where the two services are
+    TCP = "TCP"  # inline bytes in the gRPC frame
+    SHM = "SHM"  # host shared memory (same host only)
+    RDMA = "RDMA"  # Mooncake: RDMA where devices exist, TCP otherwise
+
+
+_ALIASES = {"INLINE": "TCP", "MOONCAKE": "RDMA"}
 
 
 def parse_protocol(value: str) -> Protocol:
+    v = value.upper()
     try:
-        proto = Protocol(value.upper())
+        proto = Protocol(_ALIASES.get(v, v))
     except ValueError:
-        raise ValueError(f"--tensor-comm-protocol must be one of SHM, TCP, RDMA; got '{value}'") from None
+        raise ValueError(f"--tensor-comm-protocol must be one of AUTO, TCP (inline), SHM, RDMA (Mooncake); got '{value}'") from None
     if proto is Protocol.RDMA:
-        raise ValueError("--tensor-comm-protocol RDMA needs the Mooncake transport, which this build does not include yet; use SHM (same host) or TCP")
+        from mstar.services.transport import mooncake
+
+        if not mooncake.available():
+            raise ValueError(f"--tensor-comm-protocol {value} needs the Mooncake transfer engine: {mooncake.unavailable_reason()}")
     return proto
 
 
 class TensorSender:
-    """Encodes tensors for one outgoing link."""
+    """Inline encoding, and the interface of the pooled transports."""
 
     def encode_into(self, msg: pb.Tensor, name: str, t: torch.Tensor) -> None:
         """Write ``t`` into ``msg`` (a new element of a frame's tensors)."""
@@ -38,26 +72,140 @@ class TensorSender:
         """The link ended: free every buffer, acknowledged or not."""
 
 
-class TensorReceiver:
-    """Decodes tensors arriving on one incoming link."""
+class LinkSender:
+    """Encodes the tensors of one outgoing link, choosing a transport per tensor."""
 
-    def __init__(self) -> None:
-        from mstar.services.transport.shm import ShmReader
+    def __init__(self, protocol: Protocol, owner: str):
+        self.protocol, self.owner = protocol, owner
+        self.peer: node_group_pb2.Location | None = None
+        self._inline = TensorSender()
+        self._subs: dict[str, TensorSender] = {}
 
-        self._shm = ShmReader()
+    def set_peer(self, peer: node_group_pb2.Location) -> None:
+        self.peer = peer
+        log.info("link %s -> %s: %s", self.owner, peer.service or "?", self.describe())
 
-    def decode(self, msg: pb.Tensor, acks: list[int]) -> torch.Tensor:
-        if msg.WhichOneof("payload") == "shm":
-            return self._shm.read(msg, acks)
-        return wire.from_proto(msg)
+    def describe(self) -> str:
+        """The transports this link uses, for logs."""
+        if self.protocol is not Protocol.AUTO:
+            return f"forced {self.protocol.value}"
+        p = self.peer
+        if p is None:
+            return "peer location not known yet: inline"
+        if p.process == PROCESS_TOKEN:
+            return "same process: local hand-over"
+        if p.host_id == host_id():
+            gpu = "cuda_ipc for GPU tensors, " if p.gpu_uuids and self._cuda_ipc_ok() else ""
+            return f"same host: {gpu}shm for host tensors >= {MIN_REF_BYTES} B, inline below"
+        if self._mooncake_ok():
+            return f"other host: mooncake ({p.mooncake_protocol}) for tensors >= {MIN_REF_BYTES} B, inline below"
+        why = "the peer has no Mooncake engine" if not p.mooncake_protocol else "this service has no Mooncake engine"
+        return f"other host: inline ({why})"
+
+    def _mooncake_ok(self) -> bool:
+        from mstar.services.transport import mooncake
+
+        return bool(self.peer and self.peer.mooncake_protocol) and mooncake.available()
+
+    @staticmethod
+    def _cuda_ipc_ok() -> bool:
+        from mstar.services.transport import cuda_ipc
+
+        return cuda_ipc.available()
+
+    def pick(self, t: torch.Tensor) -> str:
+        """Transport for one tensor: inline, shm, mooncake, cuda_ipc or local."""
+        big = t.numel() * t.element_size() >= MIN_REF_BYTES
+        if self.protocol is Protocol.TCP:
+            return "inline"
+        if self.protocol is Protocol.SHM:
+            return "shm" if big else "inline"
+        if self.protocol is Protocol.RDMA:
+            return "mooncake" if big else "inline"
+        p = self.peer
+        if p is None:
+            return "inline"
+        if p.process == PROCESS_TOKEN:
+            return "local"
+        if not big:
+            return "inline"
+        if p.host_id == host_id():
+            if t.is_cuda and p.gpu_uuids and self._cuda_ipc_ok():
+                return "cuda_ipc"
+            return "shm"
+        return "mooncake" if self._mooncake_ok() else "inline"
+
+    def _sub(self, kind: str) -> TensorSender:
+        sub = self._subs.get(kind)
+        if sub is None:
+            if kind == "shm":
+                from mstar.services.transport.shm import ShmSender as cls
+            elif kind == "mooncake":
+                from mstar.services.transport.mooncake import MooncakeSender as cls
+            elif kind == "cuda_ipc":
+                from mstar.services.transport.cuda_ipc import CudaIpcSender as cls
+            else:
+                from mstar.services.transport.local import LocalSender as cls
+            sub = self._subs[kind] = cls(self.owner)
+        return sub
+
+    def encode_into(self, msg: pb.Tensor, name: str, t: torch.Tensor) -> str:
+        """Encode ``t`` into ``msg``; returns the transport used."""
+        kind = self.pick(t)
+        if kind == "inline":
+            self._inline.encode_into(msg, name, t)
+            return kind
+        self._sub(kind).encode_into(msg, name, t)
+        payload = msg.WhichOneof("payload")
+        if payload == "raw":  # the transport declined this one (e.g. too small for a segment)
+            return "inline"
+        ref = getattr(msg, payload)
+        ref.buffer_id |= (_KINDS.index(payload) + 1) << _ID_SHIFT
+        return payload
+
+    def release(self, buffer_ids) -> None:
+        by_kind: dict[str, list[int]] = {}
+        for b in buffer_ids:
+            kind = _KINDS[(b >> _ID_SHIFT) - 1]
+            by_kind.setdefault(kind, []).append(b & ((1 << _ID_SHIFT) - 1))
+        for kind, ids in by_kind.items():
+            sub = self._subs.get(kind)
+            if sub is not None:
+                sub.release(ids)
 
     def close(self) -> None:
-        self._shm.close()
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()
 
 
-def make_sender(protocol: Protocol, owner: str) -> TensorSender:
-    if protocol is Protocol.SHM:
-        from mstar.services.transport.shm import ShmSender
+class TensorReceiver:
+    """Decodes tensors arriving on one incoming stream."""
 
-        return ShmSender(owner)
-    return TensorSender()
+    def __init__(self) -> None:
+        self._readers: dict[str, object] = {}
+
+    def _reader(self, kind: str):
+        r = self._readers.get(kind)
+        if r is None:
+            if kind == "shm":
+                from mstar.services.transport.shm import ShmReader as cls
+            elif kind == "mooncake":
+                from mstar.services.transport.mooncake import MooncakeReader as cls
+            elif kind == "cuda_ipc":
+                from mstar.services.transport.cuda_ipc import CudaIpcReader as cls
+            else:
+                from mstar.services.transport.local import LocalReader as cls
+            r = self._readers[kind] = cls()
+        return r
+
+    def decode(self, msg: pb.Tensor, acks: list[int]) -> torch.Tensor:
+        kind = msg.WhichOneof("payload")
+        if kind == "raw" or kind is None:
+            return wire.from_proto(msg)
+        return self._reader(kind).read(msg, acks)
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
