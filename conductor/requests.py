@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from mstar.conductor.replicas import NoReplica, Replicas
 from mstar.config import Placement
 from mstar.models.base import Emit, Model, Output, RequestState, WalkSeed
 from mstar.models.graph import INPUT
@@ -46,7 +47,8 @@ class ActiveRequest:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     seq: itertools.count = field(default_factory=itertools.count)
     pending: dict[int, tuple[str, set[str]]] = field(default_factory=dict)  # walk_seq -> (walk, groups left)
-    touched: set[str] = field(default_factory=set)
+    routes: dict[str, str] = field(default_factory=dict)  # group -> pinned replica address
+    touched: set[str] = field(default_factory=set)  # groups sent to (their pinned replicas hold state)
     persisted_to: dict[str, int] = field(default_factory=dict)  # persisted values sent to each group
     walks_run: int = 0
     first_output_s: float = 0.0
@@ -57,11 +59,9 @@ class ActiveRequest:
 class RequestTable:
     """All in-flight requests and their links to the node groups."""
 
-    def __init__(self, model: Model, placement: Placement, groups: dict[str, str], protocol: Protocol):
-        self.model, self.placement = model, placement
+    def __init__(self, model: Model, placement: Placement, replicas: Replicas, protocol: Protocol):
+        self.model, self.placement, self.replicas = model, placement, replicas
         self.links = Links("conductor", protocol, self._on_link_down)
-        for name, address in groups.items():
-            self.links.add(name, address)
         self.active: dict[str, ActiveRequest] = {}
         self._inputs_of: dict[tuple[str, str], set[str]] = {}  # (walk, group) -> input names read there
         for walk, plan in model.plans.items():
@@ -70,6 +70,21 @@ class RequestTable:
                     self._inputs_of.setdefault((walk, placement.host(walk, e.dst)), set()).add(e.name)
 
     # -- walks ---------------------------------------------------------------------------
+    def pin(self, ar: ActiveRequest) -> None:
+        """Choose the replica of every node group this request will use (NoReplica if a
+        group has none healthy)."""
+        try:
+            for g in self.placement.config.group_names:
+                ar.routes[g] = self.replicas.pick(g)
+        except NoReplica:
+            self.unpin(ar)
+            raise
+
+    def unpin(self, ar: ActiveRequest) -> None:
+        for g, address in ar.routes.items():
+            self.replicas.unpin(g, address)
+        ar.routes = {}
+
     def start_walk(self, ar: ActiveRequest, seed: WalkSeed) -> None:
         plan = self.model.plans.get(seed.walk)
         if plan is None:
@@ -85,14 +100,21 @@ class RequestTable:
             names = self._inputs_of.get((seed.walk, g), set())
             frame = pb.Frame(kind=K.FRAME_KIND_START_WALK, request_id=ar.request_id, walk=seed.walk, walk_seq=seq,
                              iteration=-1, chunk_index=-1, parent_walk_seq=-1, request_kwargs_json=ar.kwargs_json,
-                             persisted_expected=ar.persisted_to.get(g, 0))
+                             persisted_expected=ar.persisted_to.get(g, 0), routes=ar.routes)
             ar.touched.add(g)
-            self.links[g].send(frame, [(n, t) for n, t in seed.inputs.items() if n in names])
+            self.links.to(g, ar.routes[g]).send(frame, [(n, t) for n, t in seed.inputs.items() if n in names])
 
     def on_batch(self, batch: pb.FrameBatch, receiver: TensorReceiver, acks: list[int]) -> None:
         for f in batch.frames:
-            tensors = [receiver.decode(t, acks) for t in f.tensors]
             ar = self.active.get(f.request_id)
+            try:
+                tensors = [receiver.decode(t, acks) for t in f.tensors]
+            except Exception as e:  # a transport failure ends this request, not the stream
+                log.exception("request %s: cannot decode a tensor from %s", f.request_id, batch.sender)
+                if ar is not None:
+                    self.fail(ar, grpc.StatusCode.INTERNAL, f"conductor: cannot decode a tensor sent by '{batch.sender}': "
+                              f"{type(e).__name__}: {e}")
+                continue
             if ar is None or ar.ended:
                 continue  # a request that already ended: late frames are dropped
             try:
@@ -140,17 +162,24 @@ class RequestTable:
         """Tell every node group the request touched to free what it holds."""
         ar.ended = True
         for g in ar.touched:
-            self.links[g].send(pb.Frame(kind=K.FRAME_KIND_RELEASE, request_id=ar.request_id))
-            self.links[g].forget(ar.request_id)
+            link = self.links.to(g, ar.routes[g])
+            link.send(pb.Frame(kind=K.FRAME_KIND_RELEASE, request_id=ar.request_id))
+            link.forget(ar.request_id)
         ar.touched.clear()
+        self.unpin(ar)
 
-    def _on_link_down(self, peer: str, reason: str, request_ids: set[str]) -> None:
+    def _on_link_down(self, link, reason: str, request_ids: set[str]) -> None:
+        self.replicas.mark_down(link.peer, link.address, f"stream broke: {reason}")
         for ar in list(self.active.values()):
-            if peer in ar.touched or ar.request_id in request_ids:
-                ar.touched.discard(peer)
+            if ar.routes.get(link.peer) == link.address and (link.peer in ar.touched or ar.request_id in request_ids):
+                ar.touched.discard(link.peer)
                 self.fail(ar, grpc.StatusCode.UNAVAILABLE, f"node group {reason}")
 
+    def connect(self, group: str, address: str) -> None:
+        """Open the stream to a replica now, so a dead one is noticed at once."""
+        self.links.to(group, address).send(pb.Frame(kind=K.FRAME_KIND_UNSPECIFIED))
+
     def connect_all(self) -> None:
-        """Open the stream to every node group now, so a dead one is noticed at once."""
-        for name in self.placement.config.group_names:
-            self.links[name].send(pb.Frame(kind=K.FRAME_KIND_UNSPECIFIED))
+        for group, reps in self.replicas.groups.items():
+            for address in reps:
+                self.connect(group, address)

@@ -14,6 +14,7 @@ import grpc
 
 from mstar import metrics
 from mstar.conductor.convert import invalid_argument_status, output_to_proto, prompt_from_request
+from mstar.conductor.replicas import NoReplica, Replicas, parse_groups
 from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
 from mstar.config import Placement, load_config
 from mstar.models.base import InvalidArgument
@@ -58,6 +59,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         # the mesh sees a fresh id per request: node groups remember ended ids to drop late
         # frames, so a client may reuse its own id once the earlier request has ended
         ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0)
+        try:
+            self.table.pin(ar)
+        except NoReplica as e:
+            self.metrics.rejected("UNAVAILABLE")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.table.active[ar.request_id] = ar
         self.by_client_id[rid] = ar
         timeout = request.timeout_s or self.default_timeout_s
@@ -135,6 +141,20 @@ class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
         self.table = table
         self.location = local_location("conductor")
 
+    async def Join(self, request: cpb.JoinRequest, context):
+        reps = self.table.replicas
+        if request.group not in reps.groups:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"group: unknown node group '{request.group}'. "
+                                f"Groups: {', '.join(reps.groups)}")
+        if ":" not in request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: expected 'host:port', got '{request.address}'")
+        if request.leave:
+            reps.leave(request.group, request.address)
+        else:
+            reps.join(request.group, request.address)
+            self.table.connect(request.group, request.address)
+        return cpb.JoinResponse(replicas=reps.serving(request.group))
+
     async def Report(self, request_iterator, context):
         receiver = TensorReceiver()
         yield node_group_pb2.Ack(receiver=self.location)
@@ -149,7 +169,11 @@ class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
 
 
 class ConductorServer(ServerBase):
-    def __init__(self, address: str, table: RequestTable, max_inflight: int = 256, default_timeout_s: float = 300.0):
+    def __init__(self, address: str, table: RequestTable, max_inflight: int = 256, default_timeout_s: float = 300.0,
+                 probe_interval_s: float = 1.0):
+        self.probe_interval_s = probe_interval_s
+        self._probe: asyncio.Task | None = None
+        self._ready: asyncio.Task | None = None
         names = [cpb.DESCRIPTOR.services_by_name[s].full_name for s in ("Conductor", "WalkEvents")]
         super().__init__(address, names)
         self.table = table
@@ -159,6 +183,20 @@ class ConductorServer(ServerBase):
     async def start(self) -> None:
         await self.server.start()
         self.table.connect_all()
+        loop = asyncio.get_running_loop()
+        self._probe = loop.create_task(self.table.replicas.probe_forever(self.probe_interval_s))
+        self._ready = loop.create_task(self._serve_when_staffed())
+
+    async def _serve_when_staffed(self) -> None:
+        """Ready (health SERVING) once every node group has a replica: those not given at
+        start join by themselves."""
+        reps = self.table.replicas
+        logged = False
+        while not all(reps.serving(g) for g in reps.groups):
+            if not logged:
+                log.info("waiting for a replica of node group(s) %s to join", [g for g in reps.groups if not reps.serving(g)])
+                logged = True
+            await asyncio.sleep(0.1)
         await self.set_serving(True)
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -168,7 +206,11 @@ class ConductorServer(ServerBase):
         while self.table.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
         await self.server.stop(grace=1.0)
+        for task in (self._probe, self._ready):
+            if task is not None:
+                task.cancel()
         await self.table.links.close()
+        await self.table.replicas.close()
 
 
 def create_server(address: str, table: RequestTable, **kw) -> tuple[ConductorServer, int]:
@@ -180,7 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mstar-conductor", description="Serve the conductor of a placement config.")
     p.add_argument("--config", required=True)
     p.add_argument("--address", default="127.0.0.1:0")
-    p.add_argument("--groups", required=True, help='JSON {"group": "host:port"} of every node group')
+    p.add_argument("--groups", required=True, help='JSON {"group": "host:port" or ["host:port", ...]}: the replicas of every '
+                   "node group known at start (more may Join later)")
+    p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health checks of node-group replicas")
     p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
     p.add_argument("--cache-dir", default=None, help="where tokenizers/weights live")
     p.add_argument("--max-inflight", type=int, default=256, help="admission limit (RESOURCE_EXHAUSTED beyond)")
@@ -194,8 +238,17 @@ async def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config)
     model = create_model(config.model, config.model_kwargs, args.cache_dir)
     model.prepare_conductor()
-    table = RequestTable(model, Placement(config, model), json.loads(args.groups), parse_protocol(args.tensor_comm_protocol))
-    server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout)
+    placement = Placement(config, model)
+    groups = parse_groups(json.loads(args.groups))
+    unknown = set(groups) - set(placement.config.group_names)
+    if unknown:
+        raise SystemExit(f"--groups names node group(s) {sorted(unknown)} that the config does not have")
+    for g in placement.config.group_names:
+        if not groups.setdefault(g, []):
+            log.warning("node group '%s' has no replica yet: requests fail UNAVAILABLE until one joins", g)
+    table = RequestTable(model, placement, Replicas(groups), parse_protocol(args.tensor_comm_protocol))
+    server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout,
+                                 probe_interval_s=args.probe_interval)
     if args.metrics_port is not None:
         log.info("conductor metrics on port %d", metrics.serve_metrics(args.address, args.metrics_port))
     await server.start()

@@ -72,14 +72,19 @@ STEP_TIME = Histogram("mstar_node_group_step_seconds", "Time of one batch or eng
 BUSY = Counter("mstar_node_group_busy_seconds", "Seconds spent executing steps; rate() is the busy fraction", ["group"])
 QUEUE_DEPTH = Gauge("mstar_node_group_queue_depth", "Node calls ready and waiting for a batch", ["group"])
 GROUP_INFLIGHT = Gauge("mstar_node_group_inflight_requests", "Requests the node group holds state for", ["group"])
+REPLICAS_SERVING = Gauge("mstar_node_group_replicas_serving", "Replicas of a node group the conductor routes new requests to",
+                         ["group"])
+REPLICA_ROUTED = Counter("mstar_node_group_replica_requests", "Requests the conductor pinned to each node-group replica",
+                         ["group", "replica"])
 
 # -- edges: tensors leaving a service (src, dst: service names; edge: the graph edge name) ----
 EDGE_LABELS = ["src", "dst", "edge", "transport"]
-EDGE_TENSORS = Counter("mstar_edge_tensors", "Tensors handed to a transport (local: colocated hand-over, inline: bytes "
-                       "inside the gRPC frame, shm: shared memory)", EDGE_LABELS)
+EDGE_TENSORS = Counter("mstar_edge_tensors", "Tensors handed to a transport (local: hand-over inside one process, "
+                       "inline: bytes inside the gRPC frame, shm: host shared memory, cuda_ipc: CUDA IPC, mooncake: Mooncake "
+                       "transfer engine)", EDGE_LABELS)
 EDGE_BYTES = Counter("mstar_edge_bytes", "Tensor payload bytes handed to a transport", EDGE_LABELS)
 EDGE_SECONDS = Counter("mstar_edge_transfer_seconds", "Sender-side seconds spent handing tensors to the transport "
-                       "(serialising inline, copying into shared memory; 0 for local)", EDGE_LABELS)
+                       "(serialising inline, copying into a pooled buffer; 0 for local)", EDGE_LABELS)
 
 # -- the xDS control plane -----------------------------------------------------------------------
 XDS_ENDPOINTS = Gauge("mstar_xds_endpoints", "Endpoints the control plane publishes, by cluster and health",

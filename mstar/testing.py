@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from mstar.conductor.replicas import Replicas
 from mstar.conductor.requests import RequestTable
 from mstar.conductor.server import ConductorServer
 from mstar.config import Placement, PlacementConfig
@@ -58,7 +59,7 @@ async def inprocess_mesh(config: PlacementConfig, protocol: Protocol = Protocol.
             await groups[g].start()
         model = create_model(config.model, config.model_kwargs, cache_dir)
         model.prepare_conductor()
-        table = RequestTable(model, Placement(config, model), addrs, protocol)
+        table = RequestTable(model, Placement(config, model), Replicas({g: [a] for g, a in addrs.items()}), protocol)
         conductor = ConductorServer(conductor_address, table, **conductor_kw)
         await conductor.start()
         async with grpc.aio.insecure_channel(conductor_address, options=CHANNEL_OPTIONS) as channel:

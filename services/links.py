@@ -29,7 +29,7 @@ CHANNEL_OPTIONS = [
 ]
 MAX_FRAMES_PER_BATCH = 512
 
-OnDown = Callable[[str, str, set[str]], None]  # (peer, reason, request ids)
+OnDown = Callable[["Link", str, set[str]], None]  # (link, reason, request ids)
 
 
 class Link:
@@ -109,7 +109,7 @@ class Link:
             if f.request_id:
                 affected.add(f.request_id)
         log.warning("link %s -> %s (%s) down: %s", self.sender_name, self.peer, self.address, reason)
-        self._on_down(self.peer, f"{self.peer} ({self.address}) is unreachable: {reason}", affected)
+        self._on_down(self, f"{self.peer} ({self.address}) is unreachable: {reason}", affected)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -123,22 +123,36 @@ class Link:
 
 
 class Links:
-    """The links of one service, by peer name."""
+    """The links of one service: one per peer replica (keyed by address), named by the
+    peer's group. ``route`` finds the link a request's frames to a group take."""
 
     def __init__(self, sender_name: str, protocol: Protocol, on_down: OnDown):
         self.sender_name, self.protocol, self._on_down = sender_name, protocol, on_down
-        self._links: dict[str, Link] = {}
+        self._links: dict[str, Link] = {}  # address -> link
+        self._default: dict[str, str] = {}  # peer name -> address when a request names no replica
 
     def add(self, peer: str, address: str, kind: str = "exchange") -> Link:
-        link = Link(self.sender_name, peer, address, kind, self.protocol, self._on_down)
-        self._links[peer] = link
+        """A peer known at start (the conductor; node groups from --peers)."""
+        self._default[peer] = address
+        return self.to(peer, address, kind)
+
+    def to(self, peer: str, address: str, kind: str = "exchange") -> Link:
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = Link(self.sender_name, peer, address, kind, self.protocol, self._on_down)
         return link
 
-    def __getitem__(self, peer: str) -> Link:
-        return self._links[peer]
+    def route(self, peer: str, routes) -> Link:
+        """The link to ``peer``'s replica named in ``routes`` (a request's pinned replicas),
+        or to its only statically known address."""
+        address = routes.get(peer) or self._default.get(peer)
+        if address is None:
+            raise KeyError(f"no replica of node group '{peer}' is known to '{self.sender_name}' (the request carries no "
+                           f"route to it and --peers does not name it)")
+        return self.to(peer, address)
 
-    def __contains__(self, peer: str) -> bool:
-        return peer in self._links
+    def __getitem__(self, peer: str) -> Link:
+        return self._links[self._default[peer]]
 
     def forget(self, request_id: str) -> None:
         for link in self._links.values():

@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
                                       "reserve their GPUs (compose: device_ids; k8s: nvidia.com/gpu count)")
         t.add_argument("--image", default="mstar:latest", help="container image of every M* service (deploy/Dockerfile)")
         t.add_argument("--gateway-replicas", type=int, default=1, help="gateway replicas behind Envoy")
+        t.add_argument("--node-replicas", action="append", default=[], metavar="GROUP=N",
+                       help="replicas of a node group (repeatable; default 1 each)")
         t.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit (also Envoy's limit)")
         t.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout, seconds")
         t.add_argument("--log-level", default="INFO")
@@ -41,7 +43,14 @@ def main(args: argparse.Namespace) -> int:
                 raise ConfigError(f"node group '{g.name}': ranks {bad} but --gpus lists only {len(gpus)} device(s)")
         if args.gateway_replicas < 1:
             raise ValueError("--gateway-replicas must be >= 1")
-        opts = Options(args.image, gpus, args.gateway_replicas, args.max_inflight, args.request_timeout, args.log_level)
+        node_replicas = {}
+        for item in args.node_replicas:
+            group, _, n = item.partition("=")
+            if not n.isdigit() or int(n) < 1:
+                raise ValueError(f"--node-replicas expects GROUP=N with N >= 1, got '{item}'")
+            node_replicas[group] = int(n)
+        opts = Options(args.image, gpus, args.gateway_replicas, node_replicas, args.max_inflight, args.request_timeout,
+                       args.log_level)
         out = Path(args.out or f"deploy/{args.target}/{config.model}")
         writer = compose.write if args.target == "compose" else k8s.write
         files = writer(config, Path(args.config).read_text(), out, opts)

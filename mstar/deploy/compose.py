@@ -64,7 +64,7 @@ def prometheus_config(topo: Topology) -> dict:
     for kind in ("gateway", "conductor", "node_group", "xds", "envoy"):
         specs = topo.by_kind(kind)
         job: dict = {"job_name": f"mstar-{kind.replace('_', '-')}", "metrics_path": specs[0].metrics_path}
-        if kind == "gateway":  # every replica: the service name resolves to all of them
+        if kind in ("gateway", "node_group"):  # every replica: the service name resolves to all of them
             job["dns_sd_configs"] = [{"names": [s.name for s in specs], "type": "A", "port": specs[0].ports["metrics"],
                                       "refresh_interval": "15s"}]
         else:

@@ -60,6 +60,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Queue depth and requests held", "short", [
             ("sum by (group) (mstar_node_group_queue_depth)", "queued {{group}}"),
             ("sum by (group) (mstar_node_group_inflight_requests)", "held {{group}}")]),
+        ("Replicas in rotation", "short", [("max by (group) (mstar_node_group_replicas_serving)", "{{group}}")]),
+        ("Requests pinned per replica per second", "reqps", [
+            ("sum by (group, replica) (rate(mstar_node_group_replica_requests_total[1m]))", "{{group}} {{replica}}")]),
     ]),
     ("KV cache", [
         ("KV pages", "short", [("sum by (group) (mstar_kv_pages_used)", "used {{group}}"),

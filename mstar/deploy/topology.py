@@ -2,8 +2,10 @@
 the xDS control plane and Envoy. ``compose.py`` and ``k8s.py`` render the same topology.
 
 Inside a container every service binds fixed ports on 0.0.0.0 and names its peers by DNS
-name (compose service or Kubernetes Service), so tensors travel inline over TCP (shared
-memory does not cross containers).
+name (compose service or Kubernetes Service). Node-group replicas (one container or pod
+each) join the conductor with their own IP; the conductor pins each request to one replica
+per group and tells every replica where the others are. Tensors pick their transport per
+edge (AUTO): between containers that is inline bytes, or Mooncake where installed.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ DRAIN_DELAY_S = 5.0
 XDS_POLL_S = 2.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Options:
     image: str = "mstar:latest"
     gpus: tuple[int, ...] | None = None  # device ids YAML ranks map onto; None: CPU only
     gateway_replicas: int = 1
+    node_replicas: dict[str, int] = field(default_factory=dict)  # node group -> replicas (default 1)
     max_inflight: int = 256
     request_timeout_s: float = 300.0
     log_level: str = "INFO"
@@ -75,7 +78,9 @@ def build(config: PlacementConfig, opts: Options, prefix: str = "") -> Topology:
     node = {g.name: f"{prefix}node-{dns_label(g.name)}" for g in config.node_groups}
     if len(set(node.values())) != len(node):
         raise ValueError(f"node group names {sorted(node)} collide as DNS names {sorted(node.values())}; rename one")
-    peers = json.dumps({g: f"{n}:{NODE_PORT}" for g, n in node.items()})
+    unknown = set(opts.node_replicas) - set(node)
+    if unknown:
+        raise ValueError(f"--node-replicas names unknown node group(s) {sorted(unknown)}; groups: {', '.join(node)}")
     conductor, gateway, xds = f"{prefix}conductor", f"{prefix}gateway", f"{prefix}xds"
     metrics = ["--metrics-port", str(METRICS_PORT)]
     services = []
@@ -84,14 +89,14 @@ def build(config: PlacementConfig, opts: Options, prefix: str = "") -> Topology:
         services.append(ServiceSpec(
             node[g.name], "node_group",
             ["python", "-m", "mstar.services.node_group", "--config", CONFIG_PATH, "--group", g.name,
-             "--address", f"0.0.0.0:{NODE_PORT}", "--peers", peers, "--conductor", f"{conductor}:{CONDUCTOR_PORT}",
-             "--tensor-comm-protocol", "TCP", "--device", "cuda:0" if devices else "cpu", *metrics, *lvl],
+             "--address", f"0.0.0.0:{NODE_PORT}", "--conductor", f"{conductor}:{CONDUCTOR_PORT}",
+             "--device", "cuda:0" if devices else "cpu", *metrics, *lvl],
             {"grpc": NODE_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{NODE_PORT}"),
-            devices=devices, group=g.name))
+            devices=devices, group=g.name, replicas=opts.node_replicas.get(g.name, 1)))
     services.append(ServiceSpec(
         conductor, "conductor",
         ["python", "-m", "mstar.conductor", "--config", CONFIG_PATH, "--address", f"0.0.0.0:{CONDUCTOR_PORT}",
-         "--groups", peers, "--tensor-comm-protocol", "TCP", "--max-inflight", str(opts.max_inflight),
+         "--groups", "{}", "--max-inflight", str(opts.max_inflight),
          "--request-timeout", f"{opts.request_timeout_s:g}", *metrics, *lvl],
         {"grpc": CONDUCTOR_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{CONDUCTOR_PORT}"),
         depends_on=list(node.values())))

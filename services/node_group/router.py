@@ -81,6 +81,13 @@ class Router:
             inst.put(node, edge, iteration, value)
 
     # -- out -----------------------------------------------------------------------------
+    def _link(self, req, group: str):
+        """The link to the replica of ``group`` this request is pinned to."""
+        try:
+            return self.links.route(group, req.routes)
+        except KeyError as e:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"node group '{self.group}': {e.args[0]}") from None
+
     def _frame(self, inst: WalkInstance, req, kind, **kw) -> pb.Frame:
         return pb.Frame(kind=kind, request_id=req.request_id, walk=inst.walk, walk_seq=inst.key[1],
                         chunk_index=inst.key[2], parent_walk_seq=-1, **kw)
@@ -97,7 +104,7 @@ class Router:
                 self.accept(req, inst, dst, name, iteration, value, done)
             else:
                 frame = self._frame(inst, req, K.FRAME_KIND_DATA, node=dst, edge=name, iteration=iteration, done=done)
-                self.links[target].send(frame, [(name, value)] if value is not None else [])
+                self._link(req, target).send(frame, [(name, value)] if value is not None else [])
 
     def after_fire(self, req, inst: WalkInstance, node: str, call: NodeCall, outputs: dict, sub: NodeSubmodule) -> None:
         plan, it = inst.plan, call.iteration
@@ -108,7 +115,7 @@ class Router:
             if sub.check_stop(call, outputs) or it + 1 >= lp.max_iters:
                 inst.end_loop(lp.name, it)
                 for peer in self.loop_peers[(inst.walk, lp.name)]:
-                    self.links[peer].send(self._frame(inst, req, K.FRAME_KIND_LOOP_END, node=node, iteration=it))
+                    self._link(req, peer).send(self._frame(inst, req, K.FRAME_KIND_LOOP_END, node=node, iteration=it))
             else:
                 inst.decided[lp.name] = it + 1
         host = self.placement.host

@@ -38,6 +38,7 @@ class RequestCtx:
     persisted: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     node_state: dict[str, dict] = field(default_factory=dict)
     instances: dict[InstanceKey, WalkInstance] = field(default_factory=dict)
+    routes: dict[str, str] = field(default_factory=dict)  # group -> replica address this request is pinned to
     persist_received: int = 0  # persisted values stored, local and remote
     persist_sent: dict[str, int] = field(default_factory=dict)  # since the last FRAGMENT_DONE, by group
     parked: list[tuple[WalkInstance, int, dict]] = field(default_factory=list)  # starts waiting for persisted values
@@ -52,7 +53,7 @@ class Pending:
 
 
 class NodeGroupRuntime:
-    def __init__(self, group: str, model: Model, placement: Placement, peers: dict[str, str],
+    def __init__(self, group: str, model: Model, placement: Placement, peers: dict[str, str | list[str]],
                  conductor: str, protocol: Protocol, device: str = "cpu", cache_dir: str | None = None):
         self.group, self.model, self.placement = group, model, placement
         cfg = placement.config.group(group)
@@ -60,8 +61,10 @@ class NodeGroupRuntime:
                            for n in cfg.node_names}
         self.location = local_location(group, device)
         self.links = Links(group, protocol, self._on_link_down)
-        for peer, address in peers.items():
-            if peer != group:
+        for peer, address in peers.items():  # defaults for frames that carry no route
+            if isinstance(address, list):
+                address = address[0] if len(address) == 1 else None
+            if peer != group and address:
                 self.links.add(peer, address)
         self.links.add("conductor", conductor, kind="report")
         self.router = Router(group, model, placement, self.links, spawn=self._spawn_chunks)
@@ -93,7 +96,13 @@ class NodeGroupRuntime:
                 for t in frame.tensors:  # still acknowledge shared-memory buffers
                     receiver.decode(t, acks)
                 continue
-            tensors = {t.name: receiver.decode(t, acks) for t in frame.tensors}
+            try:
+                tensors = {t.name: receiver.decode(t, acks) for t in frame.tensors}
+            except Exception as e:  # a transport failure ends this request, not the stream
+                log.exception("request %s: cannot decode a tensor from %s", rid, batch.sender)
+                self.fail(rid, grpc.StatusCode.INTERNAL, f"node group '{self.group}': cannot decode a tensor sent by "
+                          f"'{batch.sender}': {type(e).__name__}: {e}")
+                continue
             try:
                 self._on_frame(frame, tensors)
             except RequestFailed as e:
@@ -108,6 +117,7 @@ class NodeGroupRuntime:
             req.kwargs = json.loads(f.request_kwargs_json)
         inst = self._instance(req, (f.walk, f.walk_seq, -1))
         if f.kind == K.FRAME_KIND_START_WALK:
+            req.routes.update(f.routes)
             req.parked.append((inst, f.persisted_expected, tensors))
             self._unpark(req)
         elif f.kind == K.FRAME_KIND_DATA:
@@ -360,8 +370,8 @@ class NodeGroupRuntime:
                 del self._in_engine[key]
         self.links.forget(request_id)
 
-    def _on_link_down(self, peer: str, reason: str, request_ids: set[str]) -> None:
-        if peer == "conductor":
+    def _on_link_down(self, link, reason: str, request_ids: set[str]) -> None:
+        if link.peer == "conductor":
             for rid in list(self.requests):
                 self.release(rid)
             return

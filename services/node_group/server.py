@@ -7,6 +7,9 @@ import asyncio
 import json
 import logging
 import signal
+import socket
+
+import grpc
 
 from mstar import metrics
 from mstar.config import Placement, load_config
@@ -14,7 +17,7 @@ from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.transport import TensorReceiver, parse_protocol
-from mstar.v1 import node_group_pb2, node_group_pb2_grpc
+from mstar.v1 import conductor_pb2, conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger("mstar.node_group")
 
@@ -64,12 +67,42 @@ def create_server(address: str, runtime: NodeGroupRuntime) -> tuple[NodeGroupSer
     return server, server.port
 
 
+def advertise(address: str, port: int) -> str:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
+
+
+async def join_conductor(conductor: str, group: str, address: str, leave: bool = False, retry_s: float = 0.5) -> None:
+    """Offer this replica to the conductor (retrying until it answers), or withdraw it (once)."""
+    fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                      ("grpc.max_reconnect_backoff_ms", 1000)]  # the conductor may start after us
+    async with grpc.aio.insecure_channel(conductor, options=fast_reconnect) as ch:
+        stub = conductor_pb2_grpc.WalkEventsStub(ch)
+        while True:
+            try:
+                resp = await stub.Join(conductor_pb2.JoinRequest(group=group, address=address, leave=leave), timeout=2.0,
+                                       wait_for_ready=not leave)
+                log.info("%s conductor %s: node group '%s' replicas now %s", "left" if leave else "joined", conductor,
+                         group, list(resp.replicas))
+                return
+            except grpc.aio.AioRpcError as e:
+                if leave or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    log.warning("could not %s conductor %s: %s", "leave" if leave else "join", conductor, e.details())
+                    return
+            await asyncio.sleep(retry_s)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mstar-node-group", description="Serve one node group of a placement config.")
     p.add_argument("--config", required=True, help="placement YAML")
     p.add_argument("--group", required=True, help="node group name from the config")
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind")
-    p.add_argument("--peers", default="{}", help='JSON {"group": "host:port"} of every node group')
+    p.add_argument("--peers", default="{}", help='JSON {"group": "host:port"}: default replicas of peer groups (requests '
+                   "normally name the replicas they are pinned to)")
+    p.add_argument("--advertise-address", default=None, help="host:port other services reach this replica at "
+                   "(default: --address with its bound port; a wildcard host becomes this host's IP)")
     p.add_argument("--conductor", required=True, help="conductor host:port (for walk events)")
     p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
     p.add_argument("--device", default="cpu")
@@ -92,13 +125,17 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         log.info("node group '%s' metrics on port %d", args.group, metrics.serve_metrics(args.address, args.metrics_port))
     await server.start()
-    log.info("node group '%s' serving %s on port %d", args.group, ", ".join(runtime.submodules), port)
+    advertised = args.advertise_address or advertise(args.address, port)
+    log.info("node group '%s' serving %s on port %d (advertised as %s)", args.group, ", ".join(runtime.submodules), port, advertised)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    joining = loop.create_task(join_conductor(args.conductor, args.group, advertised))
     await stop.wait()
     log.info("node group '%s' draining", args.group)
+    joining.cancel()
+    await join_conductor(args.conductor, args.group, advertised, leave=True)
     await server.stop()
 
 

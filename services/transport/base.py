@@ -34,6 +34,11 @@ _ID_SHIFT = 48  # buffer ids carry their transport in the top bits
 _KINDS = ("shm", "mooncake", "cuda_ipc", "local")
 
 
+def pool_id(buffer_id: int) -> int:
+    """A buffer id as its transport issued it (without the transport bits LinkSender adds)."""
+    return buffer_id & ((1 << _ID_SHIFT) - 1)
+
+
 class Protocol(enum.Enum):
     AUTO = "AUTO"  # pick per edge from where the two services are
     TCP = "TCP"  # inline bytes in the gRPC frame
@@ -167,7 +172,7 @@ class LinkSender:
         by_kind: dict[str, list[int]] = {}
         for b in buffer_ids:
             kind = _KINDS[(b >> _ID_SHIFT) - 1]
-            by_kind.setdefault(kind, []).append(b & ((1 << _ID_SHIFT) - 1))
+            by_kind.setdefault(kind, []).append(pool_id(b))
         for kind, ids in by_kind.items():
             sub = self._subs.get(kind)
             if sub is not None:

@@ -13,7 +13,7 @@ import threading
 import torch
 
 from mstar import wire
-from mstar.services.transport.base import TensorSender
+from mstar.services.transport.base import TensorSender, pool_id
 from mstar.services.transport.location import PROCESS_TOKEN
 from mstar.v1 import tensor_pb2 as pb
 
@@ -58,7 +58,7 @@ class LocalReader:
         if ref.process != PROCESS_TOKEN:
             raise ValueError(f"tensor '{msg.name}': a local hand-over from another process ({ref.process})")
         with _lock:
-            t = _table.pop(ref.buffer_id, None)
+            t = _table.pop(pool_id(ref.buffer_id), None)
         if t is None:
             raise ValueError(f"tensor '{msg.name}': local hand-over {ref.buffer_id} is gone (taken twice or its link closed)")
         acks.append(ref.buffer_id)

@@ -43,7 +43,8 @@ def gpu_config(tmp_path) -> Path:
 
 
 def test_compose_structure(tmp_path, gpu_config):
-    deploy("compose", tmp_path / "gpu", "--gpus", "2,3", "--gateway-replicas", "2", config=gpu_config)
+    deploy("compose", tmp_path / "gpu", "--gpus", "2,3", "--gateway-replicas", "2", "--node-replicas", "decoder=3",
+           config=gpu_config)
     spec = yaml.safe_load((tmp_path / "gpu" / "docker-compose.yml").read_text())
     services = spec["services"]
     assert set(services) == {*MSTAR, "prometheus", "grafana"}
@@ -65,14 +66,20 @@ def test_compose_structure(tmp_path, gpu_config):
         assert services[group]["command"][services[group]["command"].index("--device") + 1] == "cuda:0"
     assert not any("resources" in services[n].get("deploy", {}) for n in MSTAR[3:])
     assert services["gateway"]["deploy"] == {"replicas": 2}
-    # Prometheus scrapes every service (the gateway by DNS: every replica)
+    # node-group replicas: each joins the conductor by itself, so the conductor is given none
+    assert services["node-decoder"]["deploy"]["replicas"] == 3 and "replicas" not in services["node-audio"]["deploy"]
+    conductor_cmd = services["conductor"]["command"]
+    assert conductor_cmd[conductor_cmd.index("--groups") + 1] == "{}"
+    assert "--peers" not in services["node-decoder"]["command"]
+    # Prometheus scrapes every service (gateway and node groups by DNS: every replica)
     prom = yaml.safe_load((tmp_path / "gpu" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
     static = {t for j in jobs.values() for c in j.get("static_configs", []) for t in c["targets"]}
-    assert static == {"node-encoder:9100", "node-decoder:9100", "node-audio:9100", "conductor:9100", "xds:9100",
-                      "envoy:9901"}
+    assert static == {"conductor:9100", "xds:9100", "envoy:9901"}
     assert jobs["mstar-gateway"]["dns_sd_configs"] == [{"names": ["gateway"], "type": "A", "port": 8000,
                                                          "refresh_interval": "15s"}]
+    assert jobs["mstar-node-group"]["dns_sd_configs"] == [{"names": ["node-encoder", "node-decoder", "node-audio"],
+                                                            "type": "A", "port": 9100, "refresh_interval": "15s"}]
     assert jobs["mstar-envoy"]["metrics_path"] == "/stats/prometheus"
     # the control plane's targets name every service; Grafana gets the dashboard
     targets = json.loads((tmp_path / "gpu" / "xds" / "targets.json").read_text())
@@ -161,6 +168,8 @@ def test_k8s_manifests_validate_against_the_kubernetes_schemas(tmp_path):
 
 def test_dashboard_queries_only_defined_metrics():
     from prometheus_client import REGISTRY
+
+    import mstar.metrics  # noqa: F401  (defines every mstar_ metric in the default registry)
 
     defined = set()
     for family in REGISTRY.collect():

