@@ -1,0 +1,74 @@
+"""AUTO transport choice: per tensor, from where the receiving service runs."""
+
+import torch
+
+from mstar.services.transport import LinkSender, Protocol, TensorReceiver
+from mstar.services.transport import local as local_transport
+from mstar.services.transport.base import MIN_REF_BYTES
+from mstar.services.transport.location import PROCESS_TOKEN, host_id, local_location
+from mstar.v1 import node_group_pb2 as pb
+from mstar.v1 import tensor_pb2
+
+BIG = torch.zeros(MIN_REF_BYTES // 4, dtype=torch.float32)
+SMALL = torch.zeros(4)
+
+
+def sender(peer: pb.Location | None, protocol=Protocol.AUTO) -> LinkSender:
+    s = LinkSender(protocol, "test")
+    if peer is not None:
+        s.set_peer(peer)
+    return s
+
+
+def test_choice_by_location():
+    same_proc = local_location("peer")
+    same_host = pb.Location(service="peer", host_id=host_id(), process="other")
+    same_host_gpu = pb.Location(service="peer", host_id=host_id(), process="other", gpu_uuids=["GPU-x"])
+    other = pb.Location(service="peer", host_id="elsewhere", process="other")
+    other_mc = pb.Location(service="peer", host_id="elsewhere", process="other", mooncake_protocol="tcp")
+    assert sender(None).pick(BIG) == "inline"  # location not known yet
+    assert sender(same_proc).pick(SMALL) == sender(same_proc).pick(BIG) == "local"
+    assert sender(same_host).pick(BIG) == "shm" and sender(same_host).pick(SMALL) == "inline"
+    assert sender(same_host_gpu).pick(BIG) == "shm", "a CPU tensor goes through host memory even to a GPU peer"
+    assert sender(other).pick(BIG) == "inline"
+    from mstar.services.transport import mooncake
+
+    assert sender(other_mc).pick(BIG) == ("mooncake" if mooncake.available() else "inline")
+    assert "other host" in sender(other).describe() and "no Mooncake" in sender(other).describe()
+    # a forced protocol wins over the location
+    assert sender(same_proc, Protocol.TCP).pick(BIG) == "inline"
+    assert sender(other, Protocol.SHM).pick(BIG) == "shm"
+
+
+def test_local_hand_over_is_the_object_and_leaks_nothing():
+    s, r = sender(local_location("peer")), TensorReceiver()
+    t = torch.arange(10)
+    msg, acks = tensor_pb2.Tensor(), []
+    assert s.encode_into(msg, "x", t) == "local" and msg.local.process == PROCESS_TOKEN
+    assert r.decode(msg, acks) is t and len(acks) == 1
+    s.release(acks)
+    msg2 = tensor_pb2.Tensor()
+    s.encode_into(msg2, "y", t)
+    assert local_transport.waiting() >= 1
+    s.close()  # never taken: the link's close drops it
+    assert local_transport.waiting() == 0
+
+
+def test_in_process_mesh_hands_tensors_over(toy_config):
+    from prometheus_client import REGISTRY
+
+    from mstar.testing import inprocess_mesh
+
+    from helpers import collect, request, rot13, run, text_of
+
+    def handed(kind):
+        return sum(s.value for f in REGISTRY.collect() if f.name == "mstar_edge_tensors" for s in f.samples
+                   if s.name.endswith("_total") and s.labels.get("transport") == kind and s.labels["src"] != s.labels["dst"])
+
+    async def main():
+        before = handed("local")
+        async with inprocess_mesh(toy_config(), Protocol.AUTO) as mesh:
+            out, _ = await collect(mesh.stub, request("abc"))
+            assert text_of(out["text"]) == rot13("abc")
+        assert handed("local") > before
+    run(main())
