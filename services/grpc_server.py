@@ -7,7 +7,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mstar.services.links import CHANNEL_OPTIONS
+from mstar.services.links import SERVER_OPTIONS
 
 
 class ServerBase:
@@ -15,7 +15,7 @@ class ServerBase:
     grpc.health.v1 (NOT_SERVING until ``set_serving``) and server reflection."""
 
     def __init__(self, address: str, service_names: list[str]):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names

@@ -23,9 +23,25 @@ from mstar.v1 import conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 30
+#: a peer that stops answering (host down, network cut) breaks the stream within
+#: KEEPALIVE_S + KEEPALIVE_TIMEOUT_S instead of hanging until TCP gives up
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 2.0, 3.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+LINK_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [  # accept the links' keepalive pings
+    *CHANNEL_OPTIONS,
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000) // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 MAX_FRAMES_PER_BATCH = 512
 
@@ -64,13 +80,14 @@ class Link:
 
     def _start(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.address, options=LINK_OPTIONS)
         self._tensors = LinkSender(self.protocol, self.sender_name)
         self._queue = asyncio.Queue()
         self._requests = set()
         self._task = asyncio.get_running_loop().create_task(self._run(self._tensors, self._queue))
 
-    async def _batches(self, queue: asyncio.Queue):
+    async def _write(self, call, queue: asyncio.Queue) -> None:
+        """Coalesce queued frames into batches and write them until the call ends."""
         while True:
             frame = await queue.get()
             if queue.empty():
@@ -78,14 +95,18 @@ class Link:
             frames = [frame]
             while not queue.empty() and len(frames) < MAX_FRAMES_PER_BATCH:
                 frames.append(queue.get_nowait())
-            yield node_group_pb2.FrameBatch(sender=self.sender_name, frames=frames)
+            try:
+                await call.write(node_group_pb2.FrameBatch(sender=self.sender_name, frames=frames))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+                return  # the call ended; the reader reports why
 
     async def _run(self, tensors: LinkSender, queue: asyncio.Queue) -> None:
         assert self._channel is not None
         if self.kind == "report":
-            call = conductor_pb2_grpc.WalkEventsStub(self._channel).Report(self._batches(queue))
+            call = conductor_pb2_grpc.WalkEventsStub(self._channel).Report()
         else:
-            call = node_group_pb2_grpc.NodeGroupStub(self._channel).Exchange(self._batches(queue))
+            call = node_group_pb2_grpc.NodeGroupStub(self._channel).Exchange()
+        writer = asyncio.get_running_loop().create_task(self._write(call, queue))
         reason = "stream closed by peer"
         try:
             self.up = True
@@ -100,6 +121,8 @@ class Link:
             call.cancel()
             tensors.close()
             raise
+        finally:
+            writer.cancel()
         self.up = False
         self.last_error = reason
         tensors.close()
