@@ -53,6 +53,36 @@ def generate(conductor: str, text: str, kwargs_json: str = "{}", timeout_s: str 
     return out
 
 
+def relay(conductor: str, sizes: str, repeats: str) -> dict:
+    """Median seconds from the blob leaving node group 'front' to it arriving in 'back',
+    per size (two warm-ups each: pools and mappings exist after them)."""
+    from statistics import median
+
+    from mstar import wire
+
+    out = []
+    with grpc.insecure_channel(conductor, options=OPTIONS) as ch:
+        stub = conductor_pb2_grpc.ConductorStub(ch)
+        for size in map(int, sizes.split(",")):
+            secs, walls = [], []
+            for i in range(int(repeats) + 2):
+                t0 = time.perf_counter()
+                chunk = None
+                for r in stub.Generate(cpb.GenerateRequest(model="toy", text="x", model_kwargs_json=json.dumps(
+                        {"relay_bytes": size})), timeout=120):
+                    chunk = r.chunks[0] if r.chunks else chunk
+                n, seconds, _ = wire.from_proto(chunk.tensor).tolist()
+                if int(n) != size:
+                    raise RuntimeError(f"relay of {size} bytes delivered {n}")
+                if i >= 2:
+                    secs.append(seconds)
+                    walls.append(time.perf_counter() - t0)
+            med = median(secs)
+            out.append({"bytes": size, "median_s": med, "gb_per_s": size / med / 1e9, "request_median_s": median(walls),
+                        "samples": len(secs)})
+    return {"points": out}
+
+
 def scrape(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
         return {"text": r.read().decode()}
@@ -60,7 +90,7 @@ def scrape(url: str) -> dict:
 
 def main() -> None:
     cmd, *args = sys.argv[1:]
-    result = {"wait-ready": wait_ready, "generate": generate, "scrape": scrape}[cmd](*args)
+    result = {"wait-ready": wait_ready, "generate": generate, "relay": relay, "scrape": scrape}[cmd](*args)
     print(json.dumps(result), flush=True)
 
 
