@@ -20,7 +20,7 @@ from mstar.config import Placement, load_config
 from mstar.models.base import InvalidArgument
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
-from mstar.services.transport import TensorReceiver, parse_protocol
+from mstar.services.transport import TensorReceiver, configure_service, parse_protocol
 from mstar.services.transport.location import local_location
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
@@ -246,7 +246,9 @@ async def serve(args: argparse.Namespace) -> None:
     for g in placement.config.group_names:
         if not groups.setdefault(g, []):
             log.warning("node group '%s' has no replica yet: requests fail UNAVAILABLE until one joins", g)
-    table = RequestTable(model, placement, Replicas(groups), parse_protocol(args.tensor_comm_protocol))
+    protocol = parse_protocol(args.tensor_comm_protocol)
+    configure_service(args.address, protocol)
+    table = RequestTable(model, placement, Replicas(groups), protocol)
     server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout,
                                  probe_interval_s=args.probe_interval)
     if args.metrics_port is not None:

@@ -16,7 +16,7 @@ from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.runtime import NodeGroupRuntime
-from mstar.services.transport import TensorReceiver, parse_protocol
+from mstar.services.transport import TensorReceiver, configure_service, parse_protocol
 from mstar.v1 import conductor_pb2, conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger("mstar.node_group")
@@ -116,8 +116,10 @@ async def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config)
     model = create_model(config.model, config.model_kwargs, args.cache_dir)
     placement = Placement(config, model)
+    protocol = parse_protocol(args.tensor_comm_protocol)
+    configure_service(args.address, protocol)
     runtime = NodeGroupRuntime(args.group, model, placement, json.loads(args.peers), args.conductor,
-                               parse_protocol(args.tensor_comm_protocol), args.device, args.cache_dir)
+                               protocol, args.device, args.cache_dir)
     for sub in runtime.submodules.values():
         if callable(getattr(sub, "kv_stats", None)):
             metrics.watch_kv(args.group, sub.kv_stats)

@@ -12,6 +12,13 @@ copied out, and the sender reuses the buffer only then. ``LinkSender`` picks one
 tensor (see ``base``).
 """
 
-from mstar.services.transport.base import LinkSender, Protocol, TensorReceiver, TensorSender, parse_protocol
+from mstar.services.transport.base import (
+                                           LinkSender,
+                                           Protocol,
+                                           TensorReceiver,
+                                           TensorSender,
+                                           configure_service,
+                                           parse_protocol,
+)
 
-__all__ = ["LinkSender", "Protocol", "TensorReceiver", "TensorSender", "parse_protocol"]
+__all__ = ["LinkSender", "Protocol", "TensorReceiver", "TensorSender", "configure_service", "parse_protocol"]

@@ -63,6 +63,18 @@ def parse_protocol(value: str) -> Protocol:
     return proto
 
 
+def configure_service(address: str, protocol: Protocol) -> None:
+    """At service start, before serving: offer Mooncake to peers on other hosts when this
+    service can be reached from them (it binds a non-loopback address) and Mooncake is
+    installed. Loopback-only services never need it and start no engine."""
+    from mstar.services.transport import mooncake
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if protocol in (Protocol.AUTO, Protocol.RDMA) and mooncake.available() and not host.startswith("127.") \
+            and host not in ("localhost", "::1"):
+        mooncake.configure(host)
+
+
 class TensorSender:
     """Inline encoding, and the interface of the pooled transports."""
 
