@@ -13,12 +13,12 @@ tensor (see ``base``).
 """
 
 from mstar.services.transport.base import (
-                                           LinkSender,
-                                           Protocol,
-                                           TensorReceiver,
-                                           TensorSender,
-                                           configure_service,
-                                           parse_protocol,
+    LinkSender,
+    Protocol,
+    TensorReceiver,
+    TensorSender,
+    configure_service,
+    parse_protocol,
 )
 
 __all__ = ["LinkSender", "Protocol", "TensorReceiver", "TensorSender", "configure_service", "parse_protocol"]
