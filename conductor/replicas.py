@@ -3,8 +3,9 @@
 A request is pinned to one replica of every node group when it is admitted (its KV
 cache and other per-request state live there) and every frame of the request goes to
 those replicas. New requests go to the healthy replica with the fewest requests in
-flight. A replica is taken out of rotation when its stream breaks, when it fails a
-health check or when it leaves (drain); it comes back when a health check passes.
+flight. A replica is taken out of rotation when its stream breaks, when it fails
+``probe_failures`` health checks in a row (a busy replica may miss one) or when it leaves
+(drain); it comes back when a health check passes.
 Replicas come from the static ``--groups`` map and from ``Join`` calls at runtime.
 """
 
@@ -34,6 +35,7 @@ class Replica:
     healthy: bool = True
     left: bool = False  # withdrew (drain): never routed to again unless it rejoins
     inflight: int = 0
+    failed_probes: int = 0  # consecutive
     last_pick: int = -1  # ties go to the replica picked least recently
     reason: str = ""  # why it is out of rotation
 
@@ -50,10 +52,11 @@ def parse_groups(data: dict) -> dict[str, list[str]]:
 
 
 class Replicas:
-    def __init__(self, groups: dict[str, list[str]], probe_timeout_s: float = 1.0):
+    def __init__(self, groups: dict[str, list[str]], probe_timeout_s: float = 2.0, probe_failures: int = 3):
         self.groups = {g: {a: Replica(g, a) for a in addrs} for g, addrs in groups.items()}
         self._tie = itertools.count()
         self.probe_timeout_s = probe_timeout_s
+        self.probe_failures = probe_failures  # a busy replica may miss one probe; a dead one misses them all
         self._channels: dict[str, grpc.aio.Channel] = {}
         for g in self.groups:
             self._publish(g)
@@ -111,12 +114,13 @@ class Replicas:
         reps = [r for reps in self.groups.values() for r in reps.values() if not r.left]
         results = await asyncio.gather(*(self._check(r.address) for r in reps))
         for r, ok in zip(reps, results, strict=True):
+            r.failed_probes = 0 if ok else r.failed_probes + 1
             if ok and not r.healthy:
                 r.healthy, r.reason = True, ""
                 log.info("replica %s of node group '%s' back in rotation", r.address, r.group)
                 self._publish(r.group)
-            elif not ok and r.healthy:
-                self.mark_down(r.group, r.address, "failed its health check")
+            elif r.failed_probes >= self.probe_failures and r.healthy:
+                self.mark_down(r.group, r.address, f"failed {r.failed_probes} health checks in a row")
 
     async def probe_forever(self, interval_s: float) -> None:
         while True:

@@ -63,6 +63,9 @@ def test_health_probe_takes_dead_replicas_out_and_back(toy_config):
             reps.join("decoder", "127.0.0.1:1")  # nothing listens there
             reps.mark_down("decoder", live, "test")
             await reps.probe_once()
+            assert sorted(reps.serving("decoder")) == sorted([live, "127.0.0.1:1"]), "one failed probe is not enough"
+            for _ in range(reps.probe_failures - 1):
+                await reps.probe_once()
             assert reps.serving("decoder") == [live], "the probe restores the live one and drops the dead one"
             reps.leave("decoder", live)
             with pytest.raises(grpc.aio.AioRpcError) as e:
