@@ -4,7 +4,7 @@ import torch
 
 from mstar.services.transport import LinkSender, Protocol, TensorReceiver
 from mstar.services.transport import local as local_transport
-from mstar.services.transport.base import MIN_REF_BYTES
+from mstar.services.transport.base import MIN_REF_BYTES, MOONCAKE_MIN_BYTES
 from mstar.services.transport.location import PROCESS_TOKEN, host_id, local_location
 from mstar.v1 import node_group_pb2 as pb
 from mstar.v1 import tensor_pb2
@@ -33,7 +33,9 @@ def test_choice_by_location():
     assert sender(other).pick(BIG) == "inline"
     from mstar.services.transport import mooncake
 
-    assert sender(other_mc).pick(BIG) == ("mooncake" if mooncake.available() else "inline")
+    huge = torch.zeros(MOONCAKE_MIN_BYTES, dtype=torch.uint8)
+    assert sender(other_mc).pick(huge) == ("mooncake" if mooncake.available() else "inline")
+    assert sender(other_mc).pick(BIG) == "inline", "small tensors cross hosts inline (faster than a Mooncake read)"
     assert "other host" in sender(other).describe() and "no Mooncake" in sender(other).describe()
     # a forced protocol wins over the location
     assert sender(same_proc, Protocol.TCP).pick(BIG) == "inline"

@@ -8,7 +8,8 @@ two services:
 - same host: CUDA IPC for GPU tensors when the peer has a GPU, host shared memory
   otherwise (``cuda_ipc`` / ``shm``);
 - other host: Mooncake (RDMA where devices exist, TCP otherwise) when both ends have
-  it, inline bytes otherwise (``mooncake`` / ``inline``).
+  it and the tensor is at least ``MOONCAKE_MIN_BYTES``, inline bytes otherwise
+  (``mooncake`` / ``inline``).
 
 Tensors under ``MIN_REF_BYTES`` travel inline unless the peer shares the process (a
 reference costs more than the copy). Until the peer's location is known, tensors travel
@@ -30,6 +31,9 @@ from mstar.v1 import tensor_pb2 as pb
 log = logging.getLogger(__name__)
 
 MIN_REF_BYTES = 64 * 1024
+#: across hosts AUTO uses Mooncake from this size up: below it, inline bytes were faster in
+#: bench/results/transport/netns.json (Mooncake TCP 0.28 vs inline 0.30 GB/s at 4 MiB, 2.2x at 16 MiB)
+MOONCAKE_MIN_BYTES = 4 << 20
 _ID_SHIFT = 48  # buffer ids carry their transport in the top bits
 _KINDS = ("shm", "mooncake", "cuda_ipc", "local")
 
@@ -115,7 +119,7 @@ class LinkSender:
             gpu = "cuda_ipc for GPU tensors, " if p.gpu_uuids and self._cuda_ipc_ok() else ""
             return f"same host: {gpu}shm for host tensors >= {MIN_REF_BYTES} B, inline below"
         if self._mooncake_ok():
-            return f"other host: mooncake ({p.mooncake_protocol}) for tensors >= {MIN_REF_BYTES} B, inline below"
+            return f"other host: mooncake ({p.mooncake_protocol}) for tensors >= {MOONCAKE_MIN_BYTES} B, inline below"
         why = "the peer has no Mooncake engine" if not p.mooncake_protocol else "this service has no Mooncake engine"
         return f"other host: inline ({why})"
 
@@ -150,7 +154,9 @@ class LinkSender:
             if t.is_cuda and p.gpu_uuids and self._cuda_ipc_ok():
                 return "cuda_ipc"
             return "shm"
-        return "mooncake" if self._mooncake_ok() else "inline"
+        if t.numel() * t.element_size() >= MOONCAKE_MIN_BYTES and self._mooncake_ok():
+            return "mooncake"
+        return "inline"
 
     def _sub(self, kind: str) -> TensorSender:
         sub = self._subs.get(kind)

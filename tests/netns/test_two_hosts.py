@@ -8,6 +8,7 @@ import json
 import pytest
 
 from mstar.services.transport import mooncake
+from mstar.services.transport.base import MOONCAKE_MIN_BYTES
 from mstar.twohosts import NetnsUnavailable, TwoHosts
 
 pytestmark = pytest.mark.e2e
@@ -85,7 +86,10 @@ def test_auto_picks_by_location_and_a_cut_link_fails_clearly_then_heals(hosts):
     mesh = serve_and_check(hosts, "AUTO")
     conductor = mesh["addresses"]["conductor"]
     try:
-        # same host (a): shared memory for the big tensor; other host: Mooncake or inline
+        # same host (a): shared memory for big tensors; other host: Mooncake (for tensors of
+        # MOONCAKE_MIN_BYTES and more) or inline
+        r = hosts.tool("a", "generate", conductor, "relay", json.dumps({"relay_bytes": MOONCAKE_MIN_BYTES}))
+        assert r["ok"] and r["transfer"][0] == MOONCAKE_MIN_BYTES, r
         front = edge_transports(hosts, mesh["metrics"]["front"])
         cross = "mooncake" if mooncake.available() else "inline"
         assert front.get(("front", "back", cross), 0) >= 1, front
