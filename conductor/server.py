@@ -181,6 +181,7 @@ class ConductorServer(ServerBase):
         conductor_pb2_grpc.add_WalkEventsServicer_to_server(WalkEventsServicer(table), self.server)
 
     async def start(self) -> None:
+        await self.set_serving(False)  # grpc's health servicer starts out SERVING
         await self.server.start()
         self.table.connect_all()
         loop = asyncio.get_running_loop()

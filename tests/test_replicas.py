@@ -112,3 +112,38 @@ def test_a_joined_replica_serves_its_share_and_requests_stay_on_their_replicas(t
             finally:
                 await extra.stop(grace_s=0.5)
     run(main())
+
+
+def test_conductor_is_not_ready_until_every_group_has_a_replica(toy_config):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mstar.conductor.requests import RequestTable
+    from mstar.conductor.server import ConductorServer
+
+    async def status(port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return r.status
+
+    async def main():
+        config = toy_config()
+        model = create_model(config.model, config.model_kwargs)
+        model.prepare_conductor()
+        table = RequestTable(model, Placement(config, model), Replicas({g: [] for g in config.group_names}), Protocol.TCP)
+        server = ConductorServer("127.0.0.1:0", table)
+        await server.start()
+        try:
+            assert await status(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+            for g in config.group_names[:-1]:
+                table.replicas.join(g, "127.0.0.1:1")
+            await asyncio.sleep(0.3)
+            assert await status(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING, "one group still has none"
+            table.replicas.join(config.group_names[-1], "127.0.0.1:1")
+            for _ in range(50):
+                if await status(server.port) == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            assert await status(server.port) == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(grace_s=0.2)
+    run(main())

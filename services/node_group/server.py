@@ -47,6 +47,7 @@ class NodeGroupServer(ServerBase):
         self._loop_task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        await self.set_serving(False)  # grpc's health servicer starts out SERVING
         await self.server.start()
         self._loop_task = asyncio.get_running_loop().create_task(self.runtime.run())
         await self.set_serving(True)
