@@ -5,8 +5,8 @@ A link's sender learns where its peer runs from the first Ack on the stream (a
 two services:
 
 - same process: hand the tensor object over (``local``);
-- same host: CUDA IPC for GPU tensors when the peer has a GPU, host shared memory
-  otherwise (``cuda_ipc`` / ``shm``);
+- same host: CUDA IPC for GPU tensors of ``CUDA_IPC_MIN_BYTES`` and more when the peer
+  has a GPU, host shared memory otherwise (``cuda_ipc`` / ``shm``);
 - other host: Mooncake (RDMA where devices exist, TCP otherwise) when both ends have
   it and the tensor is at least ``MOONCAKE_MIN_BYTES``, inline bytes otherwise
   (``mooncake`` / ``inline``).
@@ -34,6 +34,10 @@ MIN_REF_BYTES = 64 * 1024
 #: across hosts AUTO uses Mooncake from this size up: below it, inline bytes were faster in
 #: bench/results/transport/netns.json (Mooncake TCP 0.28 vs inline 0.30 GB/s at 4 MiB, 2.2x at 16 MiB)
 MOONCAKE_MIN_BYTES = 4 << 20
+#: GPU tensors to a same-host GPU peer go by CUDA IPC from this size up: below it the host
+#: round trip was as fast or faster (bench/results/transport/cuda_ipc.json: 0.7x at 64 KiB,
+#: 1.1x at 1 MiB, 2.2x at 4 MiB on an H100)
+CUDA_IPC_MIN_BYTES = 1 << 20
 _ID_SHIFT = 48  # buffer ids carry their transport in the top bits
 _KINDS = ("shm", "mooncake", "cuda_ipc", "local")
 
@@ -116,7 +120,7 @@ class LinkSender:
         if p.process == PROCESS_TOKEN:
             return "same process: local hand-over"
         if p.host_id == host_id():
-            gpu = "cuda_ipc for GPU tensors, " if p.gpu_uuids and self._cuda_ipc_ok() else ""
+            gpu = f"cuda_ipc for GPU tensors >= {CUDA_IPC_MIN_BYTES} B, " if p.gpu_uuids and self._cuda_ipc_ok() else ""
             return f"same host: {gpu}shm for host tensors >= {MIN_REF_BYTES} B, inline below"
         if self._mooncake_ok():
             return f"other host: mooncake ({p.mooncake_protocol}) for tensors >= {MOONCAKE_MIN_BYTES} B, inline below"
@@ -151,7 +155,7 @@ class LinkSender:
         if not big:
             return "inline"
         if p.host_id == host_id():
-            if t.is_cuda and p.gpu_uuids and self._cuda_ipc_ok():
+            if t.is_cuda and p.gpu_uuids and t.numel() * t.element_size() >= CUDA_IPC_MIN_BYTES and self._cuda_ipc_ok():
                 return "cuda_ipc"
             return "shm"
         if t.numel() * t.element_size() >= MOONCAKE_MIN_BYTES and self._mooncake_ok():

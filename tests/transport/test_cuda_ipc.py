@@ -25,7 +25,7 @@ import torch
 
 from mstar import wire
 from mstar.services.transport import cuda_ipc
-from mstar.services.transport.base import LinkSender, Protocol, TensorReceiver, pool_id
+from mstar.services.transport.base import CUDA_IPC_MIN_BYTES, LinkSender, Protocol, TensorReceiver, pool_id
 from mstar.services.transport.location import host_id, local_location
 from mstar.v1 import node_group_pb2, node_group_pb2_grpc
 from mstar.v1 import tensor_pb2 as pb
@@ -174,14 +174,19 @@ def test_round_trip_between_processes_through_a_link(receiver):
                     make(torch.float64, 96 * MIB, "cuda").view(-1, 4, 64)]  # a 1.5 × 2^k class
         for i, t in enumerate(tensors):
             msg = _send(link, f"r{i}", t)
-            assert msg.WhichOneof("payload") == "cuda_ipc", (t.dtype, t.shape)
+            # below CUDA_IPC_MIN_BYTES the host round trip is as fast: shared memory
+            want = "cuda_ipc" if t.numel() * t.element_size() >= CUDA_IPC_MIN_BYTES else "shm"
+            assert msg.WhichOneof("payload") == want, (t.dtype, t.shape)
             assert msg.ByteSize() < 300  # a reference, not the bytes
-            ref = msg.cuda_ipc
-            assert len(ref.handle) == 64 and ref.nbytes == t.numel() * t.element_size()
-            assert ref.offset + ref.nbytes <= ref.allocation_size and 0 < pool_id(ref.buffer_id) < 2**48
-            assert ref.device_uuid == "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
+            if want == "cuda_ipc":
+                ref = msg.cuda_ipc
+                assert len(ref.handle) == 64 and ref.nbytes == t.numel() * t.element_size()
+                assert ref.offset + ref.nbytes <= ref.allocation_size and 0 < pool_id(ref.buffer_id) < 2**48
+                assert ref.device_uuid == "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
             r = await receiver.next()
-            assert r["request"] == f"r{i}" and r["payload"] == "cuda_ipc" and r["device"] == "cuda:0"
+            # shared memory delivers host tensors (the receiving node moves them to its device)
+            assert r["request"] == f"r{i}" and r["payload"] == want
+            assert r["device"] == ("cuda:0" if want == "cuda_ipc" else "cpu")
             assert r["dtype"] == str(t.dtype) and r["shape"] == list(t.shape) and r["digest"] == digest(t), i
         sub = link._tensors._subs["cuda_ipc"]
         assert r["open_mappings"] <= sub.allocations  # each arena opened once, whatever number of tensors
@@ -300,6 +305,7 @@ def test_link_sender_picks_cuda_ipc_only_for_gpu_tensors_to_gpu_peers_on_this_ho
     link.set_peer(node_group_pb2.Location(service="p", host_id=host_id(), process="another", gpu_uuids=["GPU-1"]))
     host, gpu, small = torch.zeros(1 * MIB, dtype=torch.uint8), _FakeCudaTensor(1 * MIB), _FakeCudaTensor(KIB)
     assert (link.pick(host), link.pick(gpu), link.pick(small)) == ("shm", "cuda_ipc", "inline")
+    assert link.pick(_FakeCudaTensor(CUDA_IPC_MIN_BYTES - 1)) == "shm"  # host round trip is as fast there
     assert "cuda_ipc for GPU tensors" in link.describe()
     monkeypatch.setattr(cuda_ipc, "available", lambda: False)  # no CUDA here: host memory instead
     assert link.pick(gpu) == "shm" and "cuda_ipc" not in link.describe()
