@@ -17,7 +17,7 @@ from mstar.config import Placement
 from mstar.models.base import Emit, Model, Output, RequestState, WalkSeed
 from mstar.models.graph import INPUT
 from mstar.services.links import Links
-from mstar.services.transport import Protocol, TensorReceiver
+from mstar.services.transport import Protocol
 from mstar.v1 import node_group_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -104,16 +104,14 @@ class RequestTable:
             ar.touched.add(g)
             self.links.to(g, ar.routes[g]).send(frame, [(n, t) for n, t in seed.inputs.items() if n in names])
 
-    def on_batch(self, batch: pb.FrameBatch, receiver: TensorReceiver, acks: list[int]) -> None:
-        for f in batch.frames:
+    def on_batch(self, batch: pb.FrameBatch, decoded: list) -> None:
+        """Frames of one batch with their tensors (``TensorReceiver.decode_batch``)."""
+        for f, tensors in zip(batch.frames, decoded, strict=True):
             ar = self.active.get(f.request_id)
-            try:
-                tensors = [receiver.decode(t, acks) for t in f.tensors]
-            except Exception as e:  # a transport failure ends this request, not the stream
-                log.exception("request %s: cannot decode a tensor from %s", f.request_id, batch.sender)
+            if isinstance(tensors, Exception):  # a transport failure ends this request, not the stream
                 if ar is not None:
                     self.fail(ar, grpc.StatusCode.INTERNAL, f"conductor: cannot decode a tensor sent by '{batch.sender}': "
-                              f"{type(e).__name__}: {e}")
+                              f"{type(tensors).__name__}: {tensors}")
                 continue
             if ar is None or ar.ended:
                 continue  # a request that already ended: late frames are dropped

@@ -161,7 +161,7 @@ class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
         try:
             async for batch in request_iterator:
                 acks: list[int] = []
-                self.table.on_batch(batch, receiver, acks)
+                self.table.on_batch(batch, await receiver.decode_batch_async(batch, acks))
                 if acks:
                     yield node_group_pb2.Ack(released_buffer_ids=acks)
         finally:

@@ -75,3 +75,44 @@ def test_in_process_mesh_hands_tensors_over(toy_config):
             assert text_of(out["text"]) == rot13("abc")
             assert handed("local") > before
     run(main())
+
+
+def test_big_pooled_payloads_are_decoded_off_the_event_loop():
+    """A big shared-memory read must not stall the service's loop (other streams, health)."""
+    import asyncio
+    import threading
+
+    from mstar.services.transport.base import OFFLOAD_BYTES
+    from mstar.services.transport.shm import ShmSender
+
+    from helpers import run
+
+    sender, receiver = ShmSender("offload-test"), TensorReceiver()
+    try:
+        def batch(nbytes: int) -> pb.FrameBatch:
+            f = pb.Frame(request_id="r")
+            sender.encode_into(f.tensors.add(), "x", torch.arange(nbytes, dtype=torch.uint8))
+            return pb.FrameBatch(sender="s", frames=[f])
+
+        big, small = batch(OFFLOAD_BYTES), batch(MIN_REF_BYTES)
+        assert TensorReceiver.slow_bytes(big) == OFFLOAD_BYTES and TensorReceiver.slow_bytes(small) == MIN_REF_BYTES
+        threads = []
+        real = receiver.decode_batch
+
+        def spy(b, acks):
+            threads.append(threading.current_thread() is threading.main_thread())
+            return real(b, acks)
+
+        receiver.decode_batch = spy
+
+        async def main():
+            acks: list[int] = []
+            (got,), = await receiver.decode_batch_async(big, acks)
+            assert torch.equal(got, torch.arange(OFFLOAD_BYTES, dtype=torch.uint8)) and len(acks) == 1
+            await receiver.decode_batch_async(small, acks)
+            await asyncio.sleep(0)
+        run(main())
+        assert threads == [False, True], "big batch on a worker thread, small one inline"
+    finally:
+        receiver.close()
+        sender.close()

@@ -22,7 +22,7 @@ from mstar.models.base import EngineNode, Model, NodeCall, NodeContext
 from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.router import RequestFailed, Router
-from mstar.services.transport import Protocol, TensorReceiver
+from mstar.services.transport import Protocol
 from mstar.services.transport.location import local_location
 from mstar.v1 import node_group_pb2 as pb
 
@@ -87,24 +87,21 @@ class NodeGroupRuntime:
         self.metrics = metrics.GroupMetrics(group, lambda: sum(map(len, list(self.ready.values()))), lambda: len(self.requests))
 
     # -- frames in -----------------------------------------------------------------------
-    def on_batch(self, batch: pb.FrameBatch, receiver: TensorReceiver, acks: list[int]) -> None:
-        for frame in batch.frames:
+    def on_batch(self, batch: pb.FrameBatch, decoded: list) -> None:
+        """Frames of one batch with their tensors (``TensorReceiver.decode_batch``: a list
+        per frame, or the exception decoding it raised)."""
+        for frame, tensors in zip(batch.frames, decoded, strict=True):
             if frame.kind == K.FRAME_KIND_UNSPECIFIED:
                 continue  # the hello frame that opens a stream
             rid = frame.request_id
             if rid in self.released:
-                for t in frame.tensors:  # still acknowledge shared-memory buffers
-                    receiver.decode(t, acks)
-                continue
-            try:
-                tensors = {t.name: receiver.decode(t, acks) for t in frame.tensors}
-            except Exception as e:  # a transport failure ends this request, not the stream
-                log.exception("request %s: cannot decode a tensor from %s", rid, batch.sender)
+                continue  # pooled buffers were acknowledged while decoding
+            if isinstance(tensors, Exception):  # a transport failure ends this request, not the stream
                 self.fail(rid, grpc.StatusCode.INTERNAL, f"node group '{self.group}': cannot decode a tensor sent by "
-                          f"'{batch.sender}': {type(e).__name__}: {e}")
+                          f"'{batch.sender}': {type(tensors).__name__}: {tensors}")
                 continue
             try:
-                self._on_frame(frame, tensors)
+                self._on_frame(frame, {t.name: v for t, v in zip(frame.tensors, tensors, strict=True)})
             except RequestFailed as e:
                 self.fail(rid, e.code, e.message)
 

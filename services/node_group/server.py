@@ -33,7 +33,7 @@ class NodeGroupServicer(node_group_pb2_grpc.NodeGroupServicer):
         try:
             async for batch in request_iterator:
                 acks: list[int] = []
-                self.runtime.on_batch(batch, receiver, acks)
+                self.runtime.on_batch(batch, await receiver.decode_batch_async(batch, acks))
                 if acks:
                     yield node_group_pb2.Ack(released_buffer_ids=acks)
         finally:

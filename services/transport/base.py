@@ -206,8 +206,46 @@ class LinkSender:
         self._subs.clear()
 
 
+#: a batch whose shared-memory / Mooncake payload is at least this big is decoded on a
+#: worker thread, so the service's event loop (other streams, health checks) keeps going
+OFFLOAD_BYTES = 4 << 20
+_SLOW_PAYLOADS = ("shm", "mooncake")  # host copies / network reads; CUDA IPC copies are fast
+
+
 class TensorReceiver:
     """Decodes tensors arriving on one incoming stream."""
+
+    @staticmethod
+    def slow_bytes(batch) -> int:
+        """Bytes of a FrameBatch that must be copied through host memory or read over the network."""
+        n = 0
+        for f in batch.frames:
+            for t in f.tensors:
+                kind = t.WhichOneof("payload")
+                if kind in _SLOW_PAYLOADS:
+                    n += getattr(t, kind).nbytes
+        return n
+
+    def decode_batch(self, batch, acks: list[int]) -> list[list[torch.Tensor] | Exception]:
+        """Every frame's tensors in order, or the exception that decoding that frame raised
+        (a transport failure ends that frame's request, not the stream)."""
+        out: list[list[torch.Tensor] | Exception] = []
+        for f in batch.frames:
+            try:
+                out.append([self.decode(t, acks) for t in f.tensors])
+            except Exception as e:
+                log.warning("cannot decode a tensor of request %s from %s: %s: %s", f.request_id, batch.sender,
+                            type(e).__name__, e)
+                out.append(e)
+        return out
+
+    async def decode_batch_async(self, batch, acks: list[int]) -> list[list[torch.Tensor] | Exception]:
+        """``decode_batch``, on a worker thread when the batch carries big pooled payloads."""
+        if self.slow_bytes(batch) >= OFFLOAD_BYTES:
+            import asyncio
+
+            return await asyncio.get_running_loop().run_in_executor(None, self.decode_batch, batch, acks)
+        return self.decode_batch(batch, acks)
 
     def __init__(self) -> None:
         self._readers: dict[str, object] = {}
