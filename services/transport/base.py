@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 MIN_REF_BYTES = 64 * 1024
 #: across hosts AUTO uses Mooncake from this size up: below it, inline bytes were faster in
-#: bench/results/transport/netns.json (Mooncake TCP 0.28 vs inline 0.30 GB/s at 4 MiB, 2.2x at 16 MiB)
+#: bench/results/transport/netns.json (Mooncake TCP 0.39x inline at 1 MiB, 1.34x at 4 MiB, 2.5x at 16 MiB)
 MOONCAKE_MIN_BYTES = 4 << 20
 #: GPU tensors to a same-host GPU peer go by CUDA IPC from this size up: below it the host
 #: round trip was as fast or faster (bench/results/transport/cuda_ipc.json: 0.7x at 64 KiB,
