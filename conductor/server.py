@@ -20,7 +20,7 @@ from mstar.config import Placement, load_config
 from mstar.models.base import InvalidArgument
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
-from mstar.services.transport import TensorReceiver, configure_service, parse_protocol
+from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
 from mstar.services.transport.location import local_location
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
@@ -226,7 +226,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--groups", required=True, help='JSON {"group": "host:port" or ["host:port", ...]}: the replicas of every '
                    "node group known at start (more may Join later)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health checks of node-group replicas")
-    p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
+    p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--cache-dir", default=None, help="where tokenizers/weights live")
     p.add_argument("--max-inflight", type=int, default=256, help="admission limit (RESOURCE_EXHAUSTED beyond)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout, seconds")

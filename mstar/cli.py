@@ -12,7 +12,7 @@ from mstar.deploy import cli as deploy_cli
 from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
 from mstar.models.base import MissingAssets
 from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
-from mstar.services.transport import parse_protocol
+from mstar.services.transport import PROTOCOL_HELP, parse_protocol
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", action="store_true",
                    help="demo mode: serve a tiny RANDOM checkpoint written in the real layout (no real weights needed; "
                         "output is noise)")
-    p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
+    p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
     p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout in seconds")

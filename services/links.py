@@ -59,8 +59,6 @@ class Link:
         self._tensors: LinkSender | None = None
         self._requests: set[str] = set()
         self._edges = metrics.EdgeMetrics(sender_name, peer)
-        self.up = False
-        self.last_error = ""
 
     # -- sending -------------------------------------------------------------------------
     def send(self, frame: node_group_pb2.Frame, tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
@@ -109,7 +107,6 @@ class Link:
         writer = asyncio.get_running_loop().create_task(self._write(call, queue))
         reason = "stream closed by peer"
         try:
-            self.up = True
             async for ack in call:
                 if ack.HasField("receiver"):
                     tensors.set_peer(ack.receiver)
@@ -123,8 +120,6 @@ class Link:
             raise
         finally:
             writer.cancel()
-        self.up = False
-        self.last_error = reason
         tensors.close()
         affected, self._requests = self._requests, set()
         while not queue.empty():

@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import signal
+import subprocess
 
 import grpc
 
@@ -53,3 +55,14 @@ async def wait_released(mesh, timeout=5.0, dead=()):
         await asyncio.sleep(0.02)
     held = {g: list(s.runtime.requests) for g, s in mesh.groups.items()}
     raise AssertionError(f"requests still held: conductor={list(mesh.conductor.table.active)} groups={held}")
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+    """Signal a child (unless it already exited), wait for it, kill it if it will not go; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -2,7 +2,7 @@
 
 import torch
 
-from mstar.services.transport import LinkSender, Protocol, TensorReceiver
+from mstar.services.transport import LinkSender, Protocol, TensorReceiver, TensorSender
 from mstar.services.transport import local as local_transport
 from mstar.services.transport.base import MIN_REF_BYTES, MOONCAKE_MIN_BYTES
 from mstar.services.transport.location import PROCESS_TOKEN, host_id, local_location
@@ -116,3 +116,60 @@ def test_big_pooled_payloads_are_decoded_off_the_event_loop():
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_frame_that_cannot_be_decoded_fails_its_request_only(toy_config):
+    import grpc
+
+    from mstar.conductor.replicas import Replicas
+    from mstar.conductor.requests import ActiveRequest, Failure, RequestTable
+    from mstar.config import Placement
+    from mstar.models.base import RequestState
+    from mstar.models.registry import create_model
+
+    good, bad = pb.Frame(request_id="other"), pb.Frame(request_id="r1")
+    good.tensors.add().CopyFrom(_inline("x", torch.arange(3)))
+    bad.tensors.add().local.buffer_id = 12345  # a hand-over from another process: refused
+    batch = pb.FrameBatch(sender="decoder", frames=[bad, good])
+    decoded = TensorReceiver().decode_batch(batch, [])
+    assert isinstance(decoded[0], ValueError) and torch.equal(decoded[1][0], torch.arange(3))
+
+    config = toy_config()
+    model = create_model(config.model, config.model_kwargs)
+    table = RequestTable(model, Placement(config, model), Replicas({g: [] for g in config.group_names}), Protocol.TCP)
+    ar = table.active["r1"] = ActiveRequest("r1", RequestState(prompt=None), "{}", 0.0)
+    table.on_batch(batch, decoded)
+    event = ar.events.get_nowait()
+    assert isinstance(event, Failure) and event.code == grpc.StatusCode.INTERNAL
+    assert "cannot decode a tensor sent by 'decoder'" in event.message and "another process" in event.message
+
+
+def _inline(name, t):
+    msg = tensor_pb2.Tensor()
+    TensorSender().encode_into(msg, name, t)
+    return msg
+
+
+def test_a_request_without_a_route_to_a_group_fails_unavailable(toy_config):
+    import grpc
+    import pytest
+
+    from mstar.config import Placement
+    from mstar.models.registry import create_model
+    from mstar.services.links import Links
+    from mstar.services.node_group.router import RequestFailed, Router
+
+    config = toy_config()
+    model = create_model(config.model, config.model_kwargs)
+    links = Links("encoder", Protocol.TCP, lambda *a: None)
+    router = Router("encoder", model, Placement(config, model), links, spawn=lambda *a: None)
+
+    class Req:
+        routes: dict = {}
+
+    with pytest.raises(RequestFailed) as e:
+        router._link(Req(), "decoder")
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no replica of node group 'decoder' is known to 'encoder'" in e.value.message
+    Req.routes = {"decoder": "127.0.0.1:1"}
+    assert router._link(Req(), "decoder").address == "127.0.0.1:1"

@@ -17,7 +17,7 @@ from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.runtime import NodeGroupRuntime
-from mstar.services.transport import TensorReceiver, configure_service, parse_protocol
+from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
 from mstar.v1 import conductor_pb2, conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger("mstar.node_group")
@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--advertise-address", default=None, help="host:port other services reach this replica at "
                    "(default: --address with its bound port; a wildcard host becomes this host's IP)")
     p.add_argument("--conductor", required=True, help="conductor host:port (for walk events)")
-    p.add_argument("--tensor-comm-protocol", default="AUTO", help="AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or RDMA (Mooncake: RDMA where devices exist, else TCP)")
+    p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--port-file", metavar="PATH", help='write {"address", "port", "metrics_port"} as JSON to PATH '
                    "once serving (useful with port 0)")
     p.add_argument("--device", default="cpu")

@@ -13,6 +13,7 @@ tensor (see ``base``).
 """
 
 from mstar.services.transport.base import (
+    PROTOCOL_HELP,
     LinkSender,
     Protocol,
     TensorReceiver,
@@ -21,4 +22,4 @@ from mstar.services.transport.base import (
     parse_protocol,
 )
 
-__all__ = ["LinkSender", "Protocol", "TensorReceiver", "TensorSender", "configure_service", "parse_protocol"]
+__all__ = ["PROTOCOL_HELP", "LinkSender", "Protocol", "TensorReceiver", "TensorSender", "configure_service", "parse_protocol"]

@@ -18,7 +18,9 @@ inline. ``--tensor-comm-protocol`` can force one transport instead of AUTO.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import importlib
 import logging
 
 import torch
@@ -45,6 +47,10 @@ _KINDS = ("shm", "mooncake", "cuda_ipc", "local")
 def pool_id(buffer_id: int) -> int:
     """A buffer id as its transport issued it (without the transport bits LinkSender adds)."""
     return buffer_id & ((1 << _ID_SHIFT) - 1)
+
+
+PROTOCOL_HELP = ("AUTO (default: per edge, from where the peers run), TCP (inline bytes), SHM (same host) or "
+                 "RDMA (Mooncake: RDMA where devices exist, else TCP)")
 
 
 class Protocol(enum.Enum):
@@ -97,17 +103,33 @@ class TensorSender:
         """The link ended: free every buffer, acknowledged or not."""
 
 
+#: transport -> (module, sender class, reader class); imported on first use
+_TRANSPORTS = {
+    "shm": ("shm", "ShmSender", "ShmReader"),
+    "mooncake": ("mooncake", "MooncakeSender", "MooncakeReader"),
+    "cuda_ipc": ("cuda_ipc", "CudaIpcSender", "CudaIpcReader"),
+    "local": ("local", "LocalSender", "LocalReader"),
+}
+
+
+def _transport_class(kind: str, role: int):
+    module, *classes = _TRANSPORTS[kind]
+    return getattr(importlib.import_module(f"mstar.services.transport.{module}"), classes[role])
+
+
 class LinkSender:
     """Encodes the tensors of one outgoing link, choosing a transport per tensor."""
 
     def __init__(self, protocol: Protocol, owner: str):
         self.protocol, self.owner = protocol, owner
         self.peer: node_group_pb2.Location | None = None
+        self._where: str | None = None  # "process" | "host" | "other", once the peer said where it runs
         self._inline = TensorSender()
         self._subs: dict[str, TensorSender] = {}
 
     def set_peer(self, peer: node_group_pb2.Location) -> None:
         self.peer = peer
+        self._where = "process" if peer.process == PROCESS_TOKEN else "host" if peer.host_id == host_id() else "other"
         log.info("link %s -> %s: %s", self.owner, peer.service or "?", self.describe())
 
     def describe(self) -> str:
@@ -117,9 +139,9 @@ class LinkSender:
         p = self.peer
         if p is None:
             return "peer location not known yet: inline"
-        if p.process == PROCESS_TOKEN:
+        if self._where == "process":
             return "same process: local hand-over"
-        if p.host_id == host_id():
+        if self._where == "host":
             gpu = f"cuda_ipc for GPU tensors >= {CUDA_IPC_MIN_BYTES} B, " if p.gpu_uuids and self._cuda_ipc_ok() else ""
             return f"same host: {gpu}shm for host tensors >= {MIN_REF_BYTES} B, inline below"
         if self._mooncake_ok():
@@ -140,40 +162,31 @@ class LinkSender:
 
     def pick(self, t: torch.Tensor) -> str:
         """Transport for one tensor: inline, shm, mooncake, cuda_ipc or local."""
-        big = t.numel() * t.element_size() >= MIN_REF_BYTES
+        nbytes = t.numel() * t.element_size()
+        big = nbytes >= MIN_REF_BYTES
         if self.protocol is Protocol.TCP:
             return "inline"
         if self.protocol is Protocol.SHM:
             return "shm" if big else "inline"
         if self.protocol is Protocol.RDMA:
             return "mooncake" if big else "inline"
-        p = self.peer
-        if p is None:
-            return "inline"
-        if p.process == PROCESS_TOKEN:
+        where = self._where
+        if where == "process":
             return "local"
-        if not big:
+        if where is None or not big:
             return "inline"
-        if p.host_id == host_id():
-            if t.is_cuda and p.gpu_uuids and t.numel() * t.element_size() >= CUDA_IPC_MIN_BYTES and self._cuda_ipc_ok():
+        if where == "host":
+            if t.is_cuda and nbytes >= CUDA_IPC_MIN_BYTES and self.peer.gpu_uuids and self._cuda_ipc_ok():
                 return "cuda_ipc"
             return "shm"
-        if t.numel() * t.element_size() >= MOONCAKE_MIN_BYTES and self._mooncake_ok():
+        if nbytes >= MOONCAKE_MIN_BYTES and self._mooncake_ok():
             return "mooncake"
         return "inline"
 
     def _sub(self, kind: str) -> TensorSender:
         sub = self._subs.get(kind)
         if sub is None:
-            if kind == "shm":
-                from mstar.services.transport.shm import ShmSender as cls
-            elif kind == "mooncake":
-                from mstar.services.transport.mooncake import MooncakeSender as cls
-            elif kind == "cuda_ipc":
-                from mstar.services.transport.cuda_ipc import CudaIpcSender as cls
-            else:
-                from mstar.services.transport.local import LocalSender as cls
-            sub = self._subs[kind] = cls(self.owner)
+            sub = self._subs[kind] = _transport_class(kind, 0)(self.owner)
         return sub
 
     def encode_into(self, msg: pb.Tensor, name: str, t: torch.Tensor) -> str:
@@ -242,8 +255,6 @@ class TensorReceiver:
     async def decode_batch_async(self, batch, acks: list[int]) -> list[list[torch.Tensor] | Exception]:
         """``decode_batch``, on a worker thread when the batch carries big pooled payloads."""
         if self.slow_bytes(batch) >= OFFLOAD_BYTES:
-            import asyncio
-
             return await asyncio.get_running_loop().run_in_executor(None, self.decode_batch, batch, acks)
         return self.decode_batch(batch, acks)
 
@@ -253,15 +264,7 @@ class TensorReceiver:
     def _reader(self, kind: str):
         r = self._readers.get(kind)
         if r is None:
-            if kind == "shm":
-                from mstar.services.transport.shm import ShmReader as cls
-            elif kind == "mooncake":
-                from mstar.services.transport.mooncake import MooncakeReader as cls
-            elif kind == "cuda_ipc":
-                from mstar.services.transport.cuda_ipc import CudaIpcReader as cls
-            else:
-                from mstar.services.transport.local import LocalReader as cls
-            r = self._readers[kind] = cls()
+            r = self._readers[kind] = _transport_class(kind, 1)()
         return r
 
     def decode(self, msg: pb.Tensor, acks: list[int]) -> torch.Tensor:

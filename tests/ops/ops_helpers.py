@@ -6,7 +6,6 @@ import json
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import stop_process
 
 READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 METRICS = re.compile(r"M\* metrics: (\{.*\})")
@@ -58,13 +59,7 @@ class Launched:
         raise AssertionError("launcher did not print its ready lines in time")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, timeout=30)
 
 
 def http(method: str, url: str, body=None, timeout: float = 20.0) -> tuple[int, bytes]:

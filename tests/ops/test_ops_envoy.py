@@ -17,6 +17,8 @@ from ops_helpers import Launched, http, scrape, value, wait_for
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
+from helpers import stop_process
+
 pytestmark = pytest.mark.e2e
 
 try:
@@ -60,13 +62,7 @@ class Gateway:
         return value(scrape(f"http://{self.address}/metrics"), "mstar_gateway_requests_total", route="/generate")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         shutil.rmtree(os.path.dirname(self.port_file), ignore_errors=True)
 
 
@@ -187,13 +183,7 @@ class NodeGroupReplica:
                    if name == "mstar_node_group_batch_size_sum" and ("group", self.group) in labels)
 
     def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, sig)
         shutil.rmtree(os.path.dirname(self.port_file), ignore_errors=True)
 
 
