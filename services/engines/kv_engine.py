@@ -31,7 +31,7 @@ from mstar.services.engines.kernels import make_ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.model_runner import ModelRunner, PagedDecoder
 from mstar.services.engines.pages import OutOfPages
-from mstar.services.engines.sampling import Sampler, SamplingParams, make_generator
+from mstar.services.engines.sampling import Sampler, SamplingParams
 from mstar.services.engines.scheduler import (
     ScheduledChunk,
     Scheduler,
@@ -111,7 +111,6 @@ class KVCacheEngine:
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
         self.sampler = Sampler()
         self.stats = EngineStats()
-        self._generators: dict[str, torch.Generator | None] = {}
         self._inflight: _Launched | None = None
 
     @property
@@ -132,7 +131,8 @@ class KVCacheEngine:
             raise ValueError(f"request {request_id} already holds a 'main' sequence; release it first")
         deadline = None if timeout_s is None else self.clock() + timeout_s
         self.scheduler.add(Seq(request_id, list(prompt_ids), params, key, deadline=deadline))
-        self._generators[request_id] = make_generator(params.seed, self.device)
+        if params.repetition_penalty != 1:
+            self.sampler.track(request_id, prompt_ids, self.model.config.vocab_size, self.device)
 
     @property
     def has_work(self) -> bool:
@@ -170,7 +170,7 @@ class KVCacheEngine:
         any later step on the device, so no live data is touched.)"""
         self.scheduler.abort(request_id)
         self.cache.release(request_id)
-        self._generators.pop(request_id, None)
+        self.sampler.forget(request_id)
 
     def generate(self, prompts: dict[str, Sequence[int]], params: SamplingParams) -> dict[str, list[int]]:
         """Run prompts to completion (tests, benchmarks); returns output ids per request."""
@@ -214,19 +214,20 @@ class KVCacheEngine:
         return padded if padded is not None else build_step_inputs(self.cache, slices)
 
     @torch.inference_mode()
-    def _launch(self, out: SchedulerOutput, inputs: StepInputs, token_ids: torch.Tensor) -> _Launched:
+    def _launch(self, out: SchedulerOutput, inputs: StepInputs, token_ids: torch.Tensor, ahead: int = 0) -> _Launched:
+        """Queue the forward pass and the sampling of ``out``; ``ahead`` = outputs sampled
+        but not yet added to the sequences (1 for a pipelined step)."""
         sampling = tuple(i for i, c in enumerate(out.chunks) if c.samples)
         hidden = self.runner.run(inputs, token_ids=token_ids)
         seqs = [out.chunks[i].seq for i in sampling]
-        params = [s.params.at_output(s.num_output_tokens) for s in seqs]
-        histories = [s.token_ids for s in seqs] if any(p.repetition_penalty != 1 for p in params) else None
+        index = [s.num_output_tokens + ahead for s in seqs]
+        params = [s.params.at_output(i) for s, i in zip(seqs, index, strict=True)]
         rows = inputs.last_rows()[list(sampling)]
         if torch.equal(rows, torch.arange(len(rows))):  # decode: every row samples, no gather
             hidden = hidden[: len(rows)]
         else:
             hidden = hidden[h2d(rows, self.device)]
-        tokens = self.sampler(self.model.compute_logits(hidden), params, histories,
-                              [self._generators.get(s.request_id) for s in seqs])
+        tokens = self.sampler(self.model.compute_logits(hidden), params, [s.request_id for s in seqs], index)
         host, wait = _to_host_async(tokens)
         self.stats.steps += 1
         self.stats.graph_steps += int(self.runner.last_run_replayed)
@@ -235,7 +236,7 @@ class KVCacheEngine:
 
     def _launch_next(self, prev: _Launched) -> _Launched | None:
         """Step N+1 from step N's tokens still on the device, or None when it cannot be
-        known without them (prefill chunks, waiting requests, repetition penalty) or when an
+        known without them (prefill chunks, waiting requests) or when an
         eager FlashInfer wrapper would have to be re-planned while step N still uses it."""
         chunks = prev.out.chunks
         if self.scheduler.num_waiting or len(prev.sampling) != len(chunks):
@@ -244,8 +245,7 @@ class KVCacheEngine:
             return None
         keep = [i for i, c in enumerate(chunks) if c.seq.status is SeqStatus.RUNNING
                 and c.seq.num_output_tokens + 1 < c.seq.params.max_tokens]  # N's token is not its last
-        if not keep or any(chunks[i].seq.params.repetition_penalty != 1 or chunks[i].seq.params.allowed_token_cycle
-                           for i in keep):  # these need step N's tokens on the host
+        if not keep:
             return None
         nxt = tuple(ScheduledChunk(chunks[i].seq, chunks[i].start + chunks[i].num_tokens, 1, True) for i in keep)
         try:
@@ -255,7 +255,7 @@ class KVCacheEngine:
             return None
         out = SchedulerOutput(nxt)
         ids = prev.tokens if len(keep) == len(chunks) else prev.tokens[h2d(torch.tensor(keep), self.device)]
-        launched = self._launch(out, self._build(out), ids)
+        launched = self._launch(out, self._build(out), ids, ahead=1)
         self.stats.pipelined_steps += 1
         return launched
 

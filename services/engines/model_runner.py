@@ -17,6 +17,7 @@ from mstar.services.engines.layers import ForwardContext
 class PagedDecoderConfig(Protocol):
     num_layers: int
     hidden_size: int
+    vocab_size: int
 
     @property
     def heads(self) -> HeadShape: ...

@@ -1,13 +1,14 @@
 """Token sampling batched over requests with different parameters.
 
 Order per row: allowed-token ranges -> repetition penalty -> (greedy argmax | temperature ->
-top-k -> top-p -> min-p -> draw). Draws use the exponential-race trick (argmax of p / E with
-E ~ Exp(1)), so a row with a seed draws its noise from its own ``torch.Generator`` and is
-reproducible whatever else shares the batch.
+top-k -> top-p -> min-p -> draw). A draw is inverse-CDF sampling with one uniform per row; a
+seeded row's uniform is a hash of (seed, output index), so it is reproducible whatever else
+shares the batch, on any device, pipelined or not.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
@@ -72,12 +73,6 @@ def check_stop(params: SamplingParams, token: int, num_output_tokens: int) -> Fi
     return None
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 # -- masks, each on a [B, V] tensor with per-row parameters --------------------------------
 _RANGE_MASKS: dict[tuple, torch.Tensor] = {}  # (ranges, vocab, device) -> bool [V], built once
 
@@ -116,91 +111,168 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties
     return torch.where(seen, penalized, logits, out=logits)
 
 
-class SeenTokens:
-    """Per-sequence [V] masks of the ids a sequence holds, updated with only the ids added
-    since the last step (a history is the sequence's own growing token list)."""
+def filtered_probs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None,
+                   sort: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities of scaled logits ``x`` [B, V] with top-k (0 = off), top-p (the smallest
+    prefix by probability whose mass reaches it) and min-p (below min_p x the row's top
+    probability) set to 0. With ``sort`` (needed by top-k / top-p) they come in descending
+    order with the permutation as the second result; else in vocabulary order and None."""
+    order = None
+    if sort:
+        x, order = x.sort(dim=-1, descending=True)
+    probs = x.softmax(-1)
+    if sort:
+        rank = torch.arange(x.shape[-1], device=x.device)
+        drop = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
+        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always stays
+    else:
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+    if min_p is not None:
+        drop |= probs < min_p[:, None] * probs.max(-1, keepdim=True).values
+    return probs.masked_fill_(drop, 0), order
+
+
+# -- the sampler ----------------------------------------------------------------------------
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, counter: int) -> float:
+    """A uniform in [0, 1) fixed by (seed, counter): splitmix64 of both. Draw number
+    ``counter`` of a seeded request depends on nothing else (batch, device, step timing)."""
+    z = (seed * 0x9E3779B97F4A7C15 + counter * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+class _RangeTable:
+    """Every distinct allowed-range set seen so far as a row of token ids on the device
+    ([sets, width], padded with -1), so a batch whose rows all have small allowed sets is
+    compacted to [B, width] by one gather before any other work."""
 
     def __init__(self) -> None:
-        self._masks: dict[int, tuple[Sequence[int], int, torch.Tensor]] = {}
+        self.sets: dict[tuple[tuple[int, int], ...], int] = {}
+        self.table: torch.Tensor | None = None
 
-    def masks(self, histories: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-        rows = []
-        for h in histories:
-            entry = self._masks.get(id(h))
-            if entry is None or entry[0] is not h or entry[1] > len(h):
-                entry = (h, 0, torch.zeros(vocab, dtype=torch.bool, device=device))
-            _, done, mask = entry
-            if len(h) > done:
-                mask[h2d(torch.tensor(h[done:]), device)] = True
-            self._masks[id(h)] = (h, len(h), mask)
-            rows.append(mask)
-        if len(self._masks) > 4 * len(histories) + 256:  # forget sequences that left
-            live = {id(h) for h in histories}
-            self._masks = {k: v for k, v in self._masks.items() if k in live}
-        return torch.stack(rows)
-
-
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's ``top_k`` largest logits (0 keeps all)."""
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest prefix of tokens (by probability) whose mass reaches ``top_p``."""
-    probs, order = logits.softmax(-1).sort(dim=-1, descending=True)
-    mass_before = probs.cumsum(-1) - probs
-    drop_sorted = mass_before >= top_p[:, None]
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
-    probs = logits.softmax(-1)
-    floor = min_p[:, None] * probs.max(-1, keepdim=True).values
-    return logits.masked_fill(probs < floor, float("-inf"))
+    def ids(self, ranges: Sequence[tuple[tuple[int, int], ...]], device: torch.device) -> list[int]:
+        new = [r for r in dict.fromkeys(ranges) if r not in self.sets]
+        if new or self.table is None or self.table.device != device:
+            for r in new:
+                self.sets[r] = len(self.sets)
+            rows = [torch.cat([torch.arange(a, b) for a, b in r]) for r in self.sets]
+            width = max(len(x) for x in rows)
+            table = torch.full((len(rows), width), -1, dtype=torch.int64)
+            for i, x in enumerate(rows):
+                table[i, : len(x)] = x
+            self.table = table.to(device)
+        return [self.sets[r] for r in ranges]
 
 
 class Sampler:
-    def __init__(self) -> None:
-        self._seen = SeenTokens()
+    """Samples a batch of rows with their own parameters, on the logits' device, without
+    reading anything back to the host (so a pipelined decode can launch step N+1 from step
+    N's tokens).
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        histories: Sequence[Sequence[int]] | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-    ) -> torch.Tensor:
-        """logits [B, V] -> token ids [B] (int64, on logits' device)."""
-        n = logits.shape[0]
-        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # masks write in place
+    - Rows that all carry small allowed-token sets (an audio codebook in a large text vocab)
+      are compacted first: every later pass runs over the allowed ids only.
+    - Repetition penalty reads a per-sequence [V] mask of seen ids kept on the device
+      (``track`` a sequence with its prompt; each sampled token is added on the device).
+    - A draw is inverse-CDF sampling with one uniform per row: ``seeded_uniform(seed,
+      counter)`` for a seeded row (``counter`` = the output's index), else the sampler's own
+      random stream. Same seed, same prompt, same outputs, whatever shares the batch.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._ranges = _RangeTable()
+        self._rng = random.Random(seed)
+        self._slots: dict[str, int] = {}  # tracked sequence -> row of _seen (row 0: never seen)
+        self._free: list[int] = []
+        self._seen: torch.Tensor | None = None  # [rows, V] bool
+
+    # -- repetition-penalty tracking ------------------------------------------------------
+    def track(self, key: str, token_ids: Sequence[int], vocab: int, device: torch.device) -> None:
+        """Start the seen-ids mask of sequence ``key`` from ``token_ids`` (its prompt)."""
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = self._free.pop() if self._free else self._grow(vocab, device)
+        assert self._seen is not None
+        self._seen[slot] = False  # queued after any in-flight write of a former owner
+        if len(token_ids):
+            self._seen[slot, h2d(torch.as_tensor(list(token_ids), dtype=torch.int64), device)] = True
+
+    def forget(self, key: str) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _grow(self, vocab: int, device: torch.device) -> int:
+        old = self._seen
+        rows = 1 if old is None else old.shape[0]
+        new = torch.zeros((max(2, 2 * rows), vocab), dtype=torch.bool, device=device)
+        if old is not None:
+            new[:rows] = old
+        self._seen = new
+        self._free.extend(range(new.shape[0] - 1, rows, -1))
+        return rows
+
+    # -- sampling ------------------------------------------------------------------------
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 keys: Sequence[str | None] | None = None, counters: Sequence[int] | None = None) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] (int64, on logits' device). ``keys`` name tracked
+        sequences (repetition penalty); ``counters`` are the rows' output indices (seeds)."""
+        n, vocab = logits.shape
         dev = logits.device
-        apply_allowed_ranges(logits, [p.allowed_token_ranges for p in params])
-        if histories is not None and any(p.repetition_penalty != 1.0 for p in params):
-            seen = self._seen.masks(histories, logits.shape[-1], dev)
-            apply_repetition_penalty(logits, seen, [p.repetition_penalty for p in params])
-        out = logits.argmax(-1)
-        if all(p.greedy for p in params):  # decided on the host: no device sync
-            return out
-        greedy = h2d(torch.tensor([p.greedy for p in params]), dev)
-        temp = h2d(torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]), dev)
-        x = logits / temp[:, None]
-        if any(p.top_k for p in params):
-            x = apply_top_k(x, h2d(torch.tensor([p.top_k for p in params]), dev))
-        if any(p.top_p < 1 for p in params):
-            x = apply_top_p(x, h2d(torch.tensor([p.top_p for p in params]), dev))
-        if any(p.min_p > 0 for p in params):
-            x = apply_min_p(x, h2d(torch.tensor([p.min_p for p in params]), dev))
-        probs = x.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        gens = generators or [None] * n
-        for row, g in enumerate(gens):
-            if g is not None:
-                noise[row] = torch.empty(probs.shape[-1], device=dev).exponential_(generator=g)
-        drawn = (probs / noise).argmax(-1)
-        return torch.where(greedy, out, drawn)
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=dev)
+        keys = keys or [None] * n
+        counters = counters or [0] * n
+        ranges = [p.allowed_token_ranges for p in params]
+        compact = None
+        if all(ranges):
+            set_ids = self._ranges.ids(ranges, dev)
+            table = self._ranges.table
+            assert table is not None
+            if 2 * table.shape[1] <= vocab:
+                compact = table[h2d(torch.tensor(set_ids), dev)]  # [B, L] token ids, -1 = padding
+        if compact is not None:
+            x = logits.gather(1, compact.clamp(min=0)).float().masked_fill_(compact < 0, float("-inf"))
+        else:
+            x = logits.clone() if logits.dtype == torch.float32 else logits.float()  # masks write in place
+            apply_allowed_ranges(x, ranges)
+        slots = [self._slots.get(k, 0) if k is not None and p.repetition_penalty != 1 else 0
+                 for k, p in zip(keys, params, strict=True)]
+        if any(slots):
+            seen = self._seen[h2d(torch.tensor(slots), dev)]  # type: ignore[index]
+            if compact is not None:
+                seen = seen.gather(1, compact.clamp(min=0))
+            apply_repetition_penalty(x, seen, [p.repetition_penalty for p in params])
+        if all(p.greedy for p in params):
+            pick = x.argmax(-1)
+        else:
+            pick = self._draw(x, params, counters)
+        tokens = pick if compact is None else compact.gather(1, pick[:, None])[:, 0]
+        if any(slots):
+            rows = [i for i, s in enumerate(slots) if s]
+            sel = h2d(torch.tensor(rows), dev)
+            self._seen[h2d(torch.tensor([slots[i] for i in rows]), dev), tokens[sel]] = True  # type: ignore[index]
+        return tokens
+
+    def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int]) -> torch.Tensor:
+        """Temperature, top-k / top-p / min-p, then inverse-CDF draws; greedy rows argmax."""
+        dev = x.device
+        u = [seeded_uniform(p.seed, c) if p.seed is not None else self._rng.random()
+             for p, c in zip(params, counters, strict=True)]
+        cols = [[p.temperature if p.temperature > 0 else 1.0 for p in params], [p.top_p for p in params],
+                [p.min_p for p in params], [float(p.top_k) for p in params], [float(p.greedy) for p in params], u]
+        temp, top_p, min_p, top_k, greedy, u = h2d(torch.tensor(cols, dtype=torch.float64), dev).unbind(0)
+        greedy_pick = x.argmax(-1)
+        sort = any(p.top_k or p.top_p < 1 for p in params)
+        use_min_p = min_p.float() if any(p.min_p > 0 for p in params) else None
+        probs, order = filtered_probs(x / temp.float()[:, None], top_k, top_p.float(), use_min_p, sort)
+        cdf = probs.double().cumsum(-1)
+        target = (u * cdf[:, -1])[:, None]
+        pick = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
+        if order is not None:
+            pick = order.gather(1, pick[:, None])[:, 0]
+        return torch.where(greedy.bool(), greedy_pick, pick)

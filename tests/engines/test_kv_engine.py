@@ -129,11 +129,17 @@ def test_pipelined_decode_gives_the_same_tokens(tiny_model):
     assert eng.cache.num_free_pages == eng.cache.allocator.num_usable
 
 
-def _drive(eng, seeded: bool):
+CYCLE = (((0, 20),), ((20, 40), (60, 61)), ((40, 60),))  # output i from CYCLE[i % 3]: a codebook-like constraint
+
+
+def _drive(eng, mode: str):
     """A run with a stop token, a request arriving mid-decode and a release mid-decode."""
+    seeded = mode != "greedy"
+
     def params(n, stop=()):
+        extra = dict(repetition_penalty=1.5, allowed_token_cycle=CYCLE) if mode == "penalty+cycle" else {}
         return SamplingParams(temperature=0.8 if seeded else 0, seed=5 if seeded else None, max_tokens=n,
-                              stop_token_ids=stop)
+                              stop_token_ids=stop, **extra)
 
     out: dict[str, list[int]] = {}
     eng.add_request("a", PROMPTS["a"], params(9))
@@ -153,12 +159,17 @@ def _drive(eng, seeded: bool):
     return out
 
 
-@pytest.mark.parametrize("seeded", [False, True])
-def test_pipelined_decode_with_arrivals_releases_and_seeds(tiny_model, seeded):
-    plain = _drive(make_engine(tiny_model), seeded)
+@pytest.mark.parametrize("mode", ["greedy", "seeded", "penalty+cycle"])
+def test_pipelined_decode_with_arrivals_releases_and_seeds(tiny_model, mode):
+    """Pipelined steps sample from device-side state only (seen-token masks, the output's
+    position in an allowed-token cycle), so they draw exactly what unpipelined steps draw."""
+    plain = _drive(make_engine(tiny_model), mode)
+    if mode == "penalty+cycle":
+        for toks in plain.values():
+            assert all(any(a <= t < b for a, b in CYCLE[i % 3]) for i, t in enumerate(toks))
     eng = make_engine(tiny_model)
     eng.overlap = True
-    piped = _drive(eng, seeded)
+    piped = _drive(eng, mode)
     # Released mid-flight, b may have one more token drawn in the pipelined run; all else is equal.
     assert piped["a"] == plain["a"] and piped["c"] == plain["c"]
     assert piped["b"][: len(plain["b"])] == plain["b"] and len(piped["b"]) - len(plain["b"]) in (0, 1)

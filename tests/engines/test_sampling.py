@@ -6,12 +6,10 @@ import torch
 from mstar.services.engines import Sampler, SamplingParams
 from mstar.services.engines.sampling import (
     FinishReason,
-    apply_min_p,
     apply_repetition_penalty,
-    apply_top_k,
-    apply_top_p,
     check_stop,
-    make_generator,
+    filtered_probs,
+    seeded_uniform,
 )
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # a hand-made distribution
@@ -22,30 +20,60 @@ def kept(masked: torch.Tensor) -> list[list[int]]:
     return [torch.nonzero(row > float("-inf")).flatten().tolist() for row in masked]
 
 
+def kept_tokens(top_k, top_p, min_p, sort=True):
+    rows = LOGITS.repeat(len(top_k), 1)
+    probs, order = filtered_probs(rows, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p), sort)
+    ids = order if order is not None else torch.arange(4).expand(len(top_k), 4)
+    return [sorted(i[p > 0].tolist()) for i, p in zip(ids, probs, strict=True)]
+
+
 def test_top_k_top_p_min_p_masks_on_a_known_distribution():
-    rows = LOGITS.repeat(3, 1)
-    assert kept(apply_top_k(rows, torch.tensor([1, 2, 0]))) == [[0], [0, 1], [0, 1, 2, 3]]
+    assert kept_tokens([1, 2, 0], [1.0] * 3, [0.0] * 3) == [[0], [0, 1], [0, 1, 2, 3]]
     # top_p keeps the smallest prefix reaching the mass: 0.5 | 0.5+0.3 | 0.5+0.3+0.15
-    assert kept(apply_top_p(rows, torch.tensor([0.4, 0.7, 0.9]))) == [[0], [0, 1], [0, 1, 2]]
-    # min_p drops p < min_p * 0.5
-    assert kept(apply_min_p(rows, torch.tensor([0.2, 0.4, 0.0]))) == [[0, 1, 2], [0, 1], [0, 1, 2, 3]]
+    assert kept_tokens([0] * 3, [0.4, 0.7, 0.9], [0.0] * 3) == [[0], [0, 1], [0, 1, 2]]
+    # min_p drops p < min_p * 0.5, in sorted order or not
+    for sort in (True, False):
+        assert kept_tokens([0] * 3, [1.0] * 3, [0.2, 0.4, 0.0], sort) == [[0, 1, 2], [0, 1], [0, 1, 2, 3]]
+
+
+def test_draws_follow_the_distribution():
+    """Inverse-CDF draws from the hand-made distribution: frequencies within 4 sigma."""
+    n = 4000
+    rows = LOGITS.repeat(n, 1)
+    params = [SamplingParams(seed=s) for s in range(n)]
+    counts = torch.bincount(Sampler()(rows, params), minlength=4).double() / n
+    for got, want in zip(counts.tolist(), PROBS, strict=True):
+        assert abs(got - want) <= 4 * math.sqrt(want * (1 - want) / n), (counts, PROBS)
+    # top_p = 0.7 leaves {0, 1} renormalised: 0.625 / 0.375
+    counts = torch.bincount(Sampler()(rows, [SamplingParams(seed=s, top_p=0.7) for s in range(n)]), minlength=4)
+    assert counts[2:].sum() == 0 and abs(counts[0] / n - 0.625) < 0.03
 
 
 def test_repetition_penalty_follows_hf_convention():
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from mstar.services.engines.sampling import SeenTokens
-
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     history = [0, 1, 1]
-    seen = SeenTokens()
-    ours = apply_repetition_penalty(logits.clone(), seen.masks([history], 4, logits.device), [2.0])
+    seen = torch.zeros(1, 4, dtype=torch.bool)
+    seen[0, history] = True
+    ours = apply_repetition_penalty(logits.clone(), seen, [2.0])
     assert ours.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # positive divided, negative multiplied
     hf = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([history]), logits.clone())
     torch.testing.assert_close(ours, hf)
-    history.append(3)  # the mask follows the growing history incrementally
-    ours = apply_repetition_penalty(logits.clone(), seen.masks([history], 4, logits.device), [2.0])
-    torch.testing.assert_close(ours, RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([history]), logits.clone()))
+
+
+def test_sampler_tracks_seen_tokens_on_the_device():
+    """The prompt and every sampled token are penalised from the next draw on; a forgotten
+    sequence's slot is reused clean."""
+    s, p = Sampler(), SamplingParams(temperature=0, repetition_penalty=100.0)
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    s.track("a", [0], vocab=5, device=torch.device("cpu"))
+    picks = [int(s(logits, [p], ["a"])[0]) for _ in range(4)]
+    assert picks == [1, 2, 3, 4]  # 0 was in the prompt; each pick is then penalised
+    s.forget("a")
+    s.track("b", [], vocab=5, device=torch.device("cpu"))
+    assert int(s(logits, [p], ["b"])[0]) == 0
+    assert int(s(logits, [SamplingParams(temperature=0)], ["b"])[0]) == 0  # no penalty: not applied
 
 
 def test_greedy_is_deterministic_and_picks_argmax():
@@ -57,16 +85,19 @@ def test_greedy_is_deterministic_and_picks_argmax():
 
 def _draws(seed, n=12, other_rows=0):
     """n tokens from a flat distribution for one seeded request, batched with unseeded rows."""
-    gen = make_generator(seed, "cpu")
     logits = torch.zeros(1 + other_rows, 1000)
     params = [SamplingParams(seed=seed)] + [SamplingParams()] * other_rows
-    return [int(Sampler()(logits, params, generators=[gen] + [None] * other_rows)[0]) for _ in range(n)]
+    sampler = Sampler()
+    return [int(sampler(logits, params, counters=[i] * (1 + other_rows))[0]) for i in range(n)]
 
 
 def test_same_seed_same_tokens_different_seed_differs():
     assert _draws(1) == _draws(1)
     assert _draws(1) == _draws(1, other_rows=3)  # independent of what else shares the batch
     assert _draws(1) != _draws(2)
+    assert len(set(_draws(1))) > 6  # successive outputs of one seed are not one draw repeated
+    u = [seeded_uniform(7, i) for i in range(1000)]
+    assert all(0 <= x < 1 for x in u) and abs(sum(u) / len(u) - 0.5) < 0.05
 
 
 def test_allowed_ranges_are_respected():
@@ -74,9 +105,17 @@ def test_allowed_ranges_are_respected():
     logits[:, 0] = 50.0  # the unconstrained favourite lies outside the ranges
     ranges = ((10, 20), (90, 95))
     params = [SamplingParams(seed=s, allowed_token_ranges=ranges) for s in (1, 2)]
-    gens = [make_generator(1, "cpu"), make_generator(2, "cpu")]
-    seen = {int(t) for _ in range(100) for t in Sampler()(logits, params, generators=gens)}
-    assert seen and all(10 <= t < 20 or 90 <= t < 95 for t in seen)
+    seen = {int(t) for i in range(100) for t in Sampler()(logits, params, counters=[i, i])}
+    assert len(seen) > 5 and all(10 <= t < 20 or 90 <= t < 95 for t in seen)
+    # the compacted path (allowed sets far smaller than the vocabulary) gives the same tokens
+    # as the masked full-vocabulary path
+    wide = ((0, 60),)
+    mixed = [SamplingParams(seed=1, allowed_token_ranges=ranges), SamplingParams(seed=2, allowed_token_ranges=wide)]
+    narrow = [SamplingParams(seed=1, allowed_token_ranges=ranges), SamplingParams(seed=2, allowed_token_ranges=((0, 40),))]
+    for i in range(20):
+        a = Sampler()(logits, mixed, counters=[i, i])  # a set over half the vocab: no compaction
+        b = Sampler()(logits, narrow, counters=[i, i])  # compacted
+        assert int(a[0]) == int(b[0])
     greedy = Sampler()(logits, [SamplingParams(temperature=0, allowed_token_ranges=ranges)] * 2)
     inside = torch.cat([torch.arange(10, 20), torch.arange(90, 95)])
     assert greedy.tolist() == inside[logits[:, inside].argmax(-1)].tolist()
@@ -85,9 +124,8 @@ def test_allowed_ranges_are_respected():
 def test_rows_with_different_params_in_one_batch():
     logits = LOGITS.repeat(3, 1)
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1, seed=0), SamplingParams(top_p=0.7, seed=0)]
-    gens = [None, make_generator(0, "cpu"), make_generator(0, "cpu")]
-    for _ in range(20):
-        t = Sampler()(logits, params, generators=gens).tolist()
+    for i in range(20):
+        t = Sampler()(logits, params, counters=[i] * 3).tolist()
         assert t[0] == 0 and t[1] == 0 and t[2] in (0, 1)
 
 
