@@ -156,12 +156,14 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8,16,32,64,96,128,160")
     ap.add_argument("--baseline-streams", default="1,8,16,32,64")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks this script, measures nothing")
+    ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "knobs": KNOBS,
               "max_tokens": args.max_tokens, "real_time_tokens_per_s": REAL_TIME_TOKENS_PER_S, "mstar": [], "baseline": []}
-    root = Path(tempfile.mkdtemp(prefix="orpheus-bench-"))
+    root = Path(args.root or tempfile.mkdtemp(prefix="orpheus-bench-"))
     t = time.perf_counter()
-    write_checkpoints(root, args.tiny)
+    if not (root / "hubertsiuzdak").exists():
+        write_checkpoints(root, args.tiny)
     result["checkpoint_write_s"] = time.perf_counter() - t
     cfg_path = root / "orpheus.yaml"
     cfg_path.write_text(json.dumps({"model": "orpheus", "max_seq_len": 4096,
@@ -182,6 +184,9 @@ def main() -> None:
             result["mstar"].append(r)
     finally:
         mesh.stop()
+    if not args.baseline_streams:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(root / "canopylabs" / "orpheus-3b-0.1-ft", dtype=torch.bfloat16).to(DEVICE).eval()
@@ -190,7 +195,7 @@ def main() -> None:
     from mstar.models.orpheus.tokens import build_prompt_ids
 
     prompt = build_prompt_ids(lambda s: tok.encode(s).ids, TEXT, KNOBS["voice"])
-    for n in [int(x) for x in args.baseline_streams.split(",")]:
+    for n in [int(x) for x in args.baseline_streams.split(",") if x]:
         r = baseline_level(model, snac, prompt, n, args.max_tokens)
         print(json.dumps(r), flush=True)
         result["baseline"].append(r)

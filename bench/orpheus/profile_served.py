@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_orpheus import mstar_level, write_checkpoints  # noqa: I001  (same folder)
+from bench_orpheus import DEVICE, mstar_level, write_checkpoints  # noqa: I001  (same folder)
 
 from mstar.config import load_config
 from mstar.launcher import LaunchOptions, Mesh
@@ -44,13 +44,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=700)
+    ap.add_argument("--tiny", action="store_true", help="tiny random model (a CPU look at the per-token overhead)")
+    ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="orpheus-prof-"))
-    write_checkpoints(root, tiny=False)
+    root = Path(args.root or tempfile.mkdtemp(prefix="orpheus-prof-"))
+    if not (root / "hubertsiuzdak").exists():
+        write_checkpoints(root, tiny=args.tiny)
     cfg = root / "orpheus.yaml"
     cfg.write_text(json.dumps({"model": "orpheus", "node_groups": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"]}],
                                "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256}}))
-    mesh = Mesh(load_config(cfg), LaunchOptions(cfg, port=0, grpc_port=0, gpus=[0], cache_dir=str(root),
+    mesh = Mesh(load_config(cfg), LaunchOptions(cfg, port=0, grpc_port=0, gpus=[0] if DEVICE == "cuda" else None, cache_dir=str(root),
                                                 log_level="WARNING", startup_timeout_s=300))
     mesh.start()
     try:
@@ -65,7 +69,7 @@ def main() -> None:
 
         t = threading.Thread(target=spy)
         t.start()
-        r = asyncio.run(mstar_level(mesh.conductor_address, args.streams, 700))
+        r = asyncio.run(mstar_level(mesh.conductor_address, args.streams, args.max_tokens))
         t.join()
         Path(args.out).write_text(json.dumps(r) + "\n\n" + summarize(raw))
     finally:

@@ -10,6 +10,7 @@ when generation ends) flushes the final frames, so the audio covers every frame.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ class SnacNode(NodeSubmodule):
         self.device = ctx.device
         self.decoder = load_snac_decoder(checkpoint, device=ctx.device)
         self.samples_per_frame = self.decoder.config.samples_per_frame
+        # its own CUDA stream: window decodes overlap the LLM's steps instead of queueing
+        # behind them (and the host copy of the audio waits for SNAC's kernels only)
+        self.stream = torch.cuda.Stream(device=ctx.device) if ctx.device.startswith("cuda") else None
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         plans = [self._plan(c) for c in calls]
@@ -38,21 +42,24 @@ class SnacNode(NodeSubmodule):
             if p is not None:
                 by_frames.setdefault(len(p[0]) // TOKENS_PER_FRAME, []).append(i)
         audio: dict[int, torch.Tensor] = {}
-        with torch.inference_mode():
+        with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()):
             for idx in by_frames.values():
                 levels = [code_tensors(plans[i][0], self.device) for i in idx]
                 batch = [torch.cat([lv[k] for lv in levels]) for k in range(3)]
                 out = self.decoder.decode(batch)
                 for row, i in enumerate(idx):
                     audio[i] = out[row, 0]
-        spf = self.samples_per_frame
-        results = []
-        for i, p in enumerate(plans):
-            if p is None:
+            spf = self.samples_per_frame
+            spans = {i: (plans[i][1] * spf, plans[i][2] * spf) for i in audio}  # type: ignore[index]
+            flat = torch.cat([audio[i][lo:hi] for i, (lo, hi) in spans.items()]).float().cpu() if audio else None
+        results, at = [], 0
+        for i in range(len(plans)):
+            if i not in spans:
                 results.append({"audio": torch.empty(0)})
                 continue
-            _, lo, hi = p
-            results.append({"audio": audio[i][lo * spf : hi * spf].float().cpu()})
+            n = spans[i][1] - spans[i][0]
+            results.append({"audio": flat[at : at + n]})  # type: ignore[index]
+            at += n
         return results
 
     @staticmethod

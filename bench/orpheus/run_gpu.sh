@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Orpheus GPU runs in one device call, from the repository root, with .fi/ and .wheels/ carried:
+#   bash bench/orpheus/run_gpu.sh OUTDIR "BENCH_ARGS" [profile]
+# BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""); "profile" also
+# py-spies the node group at 64 streams (profile_served.py). Checkpoints are written once.
+set -u -o pipefail
+OUT=${1:?OUTDIR}; ARGS=${2:-}; STAGES=",${3:-},"
+T0=$(date +%s)
+mkdir -p /tmp/site && tar -C /tmp/site -xJf .fi/flashinfer-site.tar.xz
+mkdir -p ~/.cache && if [ -f .fi/fi-jit-cache.tgz ]; then tar -C ~/.cache -xzf .fi/fi-jit-cache.tgz; fi
+mkdir -p /tmp/wh && for w in .wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/wh; done
+chmod +x /tmp/wh/py_spy-*.data/scripts/py-spy; export PATH=$PATH:$(echo /tmp/wh/py_spy-*.data/scripts)
+mkdir -p /tmp/pkg/mstar && for f in mstar/*; do ln -sfn "$PWD/$f" /tmp/pkg/mstar/; done
+for d in services models conductor gateway; do ln -sfn "$PWD/$d" /tmp/pkg/mstar/$d; done
+export PYTHONPATH=/tmp/pkg:/tmp/wh:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+REPO=$PWD; cd bench/orpheus
+stamp bench
+eval python bench_orpheus.py --root /tmp/orpheus-ckpt --out "$OUT/orpheus.json" $ARGS
+if [[ $STAGES == *",profile,"* ]]; then
+  stamp profile
+  python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_64_streams.txt" --streams 64
+fi
+stamp done
