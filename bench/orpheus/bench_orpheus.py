@@ -69,6 +69,25 @@ def write_checkpoints(root: Path, tiny: bool) -> None:
 
 
 # -- M* ------------------------------------------------------------------------------------
+#: both on the one GPU; "split" runs the LLM and the SNAC decoder as two node-group processes
+#: (models/orpheus/configs/disaggregated.yaml with both on rank 0), "one" as one process
+PLACEMENTS = {"one": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"], "ranks": [0]}],
+              "split": [{"name": "llm", "node_names": ["llm"], "ranks": [0]},
+                        {"name": "codec", "node_names": ["snac_decoder"], "ranks": [0]}]}
+
+
+def start_mesh(root: Path, placement: str) -> Mesh:
+    cfg_path = root / f"orpheus-{placement}.yaml"
+    cfg_path.write_text(json.dumps({"model": "orpheus", "max_seq_len": 4096,
+                                    "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256,
+                                                     **({"kv_cache_bytes": 64 << 20} if DEVICE == "cpu" else {})},
+                                    "node_groups": PLACEMENTS[placement]}))
+    mesh = Mesh(load_config(cfg_path), LaunchOptions(cfg_path, port=0, grpc_port=0, gpus=[0] if DEVICE == "cuda" else None,
+                                                     cache_dir=str(root), log_level="WARNING", startup_timeout_s=300))
+    mesh.start()
+    return mesh
+
+
 async def stream(stub, i: int, max_tokens: int) -> dict:
     req = cpb.GenerateRequest(model="orpheus", text=TEXT, model_kwargs_json=json.dumps({**KNOBS, "max_tokens": max_tokens, "seed": i}))
     t0 = time.perf_counter()
@@ -157,6 +176,7 @@ def main() -> None:
     ap.add_argument("--baseline-streams", default="1,8,16,32,64")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks this script, measures nothing")
     ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="split")
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "knobs": KNOBS,
               "max_tokens": args.max_tokens, "real_time_tokens_per_s": REAL_TIME_TOKENS_PER_S, "mstar": [], "baseline": []}
@@ -165,16 +185,9 @@ def main() -> None:
     if not (root / "hubertsiuzdak").exists():
         write_checkpoints(root, args.tiny)
     result["checkpoint_write_s"] = time.perf_counter() - t
-    cfg_path = root / "orpheus.yaml"
-    cfg_path.write_text(json.dumps({"model": "orpheus", "max_seq_len": 4096,
-                                    "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256,
-                                                     **({"kv_cache_bytes": 64 << 20} if DEVICE == "cpu" else {})},
-                                    "node_groups": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"], "ranks": [0]}]}))
-    mesh = Mesh(load_config(cfg_path), LaunchOptions(cfg_path, port=0, grpc_port=0, gpus=[0] if DEVICE == "cuda" else None,
-                                                     cache_dir=str(root),
-                                                     log_level="WARNING", startup_timeout_s=300))
+    result["placement"] = args.placement
+    mesh = start_mesh(root, args.placement)
     t = time.perf_counter()
-    mesh.start()
     result["mesh_start_s"] = time.perf_counter() - t
     try:
         asyncio.run(mstar_level(mesh.conductor_address, 4, 64))  # warm-up

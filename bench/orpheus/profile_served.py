@@ -14,10 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_orpheus import DEVICE, mstar_level, write_checkpoints  # noqa: I001  (same folder)
-
-from mstar.config import load_config
-from mstar.launcher import LaunchOptions, Mesh
+from bench_orpheus import PLACEMENTS, mstar_level, start_mesh, write_checkpoints  # noqa: I001  (same folder)
 
 
 def summarize(raw: Path, top: int = 40) -> str:
@@ -47,19 +44,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=700)
     ap.add_argument("--tiny", action="store_true", help="tiny random model (a CPU look at the per-token overhead)")
     ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="split")
     args = ap.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="orpheus-prof-"))
     if not (root / "hubertsiuzdak").exists():
         write_checkpoints(root, tiny=args.tiny)
-    cfg = root / "orpheus.yaml"
-    cfg.write_text(json.dumps({"model": "orpheus", "node_groups": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"]}],
-                               "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256}}))
-    mesh = Mesh(load_config(cfg), LaunchOptions(cfg, port=0, grpc_port=0, gpus=[0] if DEVICE == "cuda" else None, cache_dir=str(root),
-                                                log_level="WARNING", startup_timeout_s=300))
-    mesh.start()
+    mesh = start_mesh(root, args.placement)
     try:
         asyncio.run(mstar_level(mesh.conductor_address, 4, 64))
-        pid = next(s.proc.pid for s in mesh.services if s.name == "orpheus")
+        pid = next(s.proc.pid for s in mesh.services if s.name in ("orpheus", "llm"))
         raw = Path(args.out).with_suffix(".raw")
 
         def spy():

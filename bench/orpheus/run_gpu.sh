@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Orpheus GPU runs in one device call, from the repository root, with .fi/ and .wheels/ carried:
 #   bash bench/orpheus/run_gpu.sh OUTDIR "BENCH_ARGS" [profile]
-# BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""); "profile" also
-# py-spies the node group at 64 streams (profile_served.py). Checkpoints are written once.
+# BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""), once per
+# placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>.json); "profile" also
+# py-spies the LLM's node group at 64 streams (profile_served.py). Checkpoints are written once.
 set -u -o pipefail
 OUT=${1:?OUTDIR}; ARGS=${2:-}; STAGES=",${3:-},"
 T0=$(date +%s)
@@ -16,8 +17,10 @@ export PYTHONPATH=/tmp/pkg:/tmp/wh:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 REPO=$PWD; cd bench/orpheus
-stamp bench
-eval python bench_orpheus.py --root /tmp/orpheus-ckpt --out "$OUT/orpheus.json" $ARGS
+for P in ${PLACEMENTS:-split}; do
+  stamp "bench $P"
+  eval python bench_orpheus.py --root /tmp/orpheus-ckpt --placement $P --out "$OUT/orpheus-$P.json" $ARGS
+done
 if [[ $STAGES == *",profile,"* ]]; then
   stamp profile
   python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_64_streams.txt" --streams 64

@@ -156,13 +156,17 @@ class SnacDecoder(nn.Module):
         *,
         generator: torch.Generator | None = None,
         noise: bool = True,
+        checked: bool = False,
     ) -> torch.Tensor:
-        """codes[i]: integer (B, T_i) with T_i * vq_strides[i] equal -> (B, 1, T * upsampling) float."""
-        self._check_codes(codes)
+        """codes[i]: integer (B, T_i) with T_i * vq_strides[i] equal -> (B, 1, T * upsampling) float.
+        ``checked``: the caller ran ``check_codes`` (on host tensors, before moving them: the
+        range check reads values, which on a GPU would wait for the device)."""
+        if not checked:
+            self.check_codes(codes)
         z = self.quantizer([c.long() for c in codes])
         return self.decoder(z, generator, noise)
 
-    def _check_codes(self, codes: Sequence[torch.Tensor]) -> None:
+    def check_codes(self, codes: Sequence[torch.Tensor]) -> None:
         cfg = self.config
         if len(codes) != len(cfg.vq_strides):
             raise ValueError(f"SNAC decode needs {len(cfg.vq_strides)} code levels, got {len(codes)}")

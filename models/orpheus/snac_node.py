@@ -17,8 +17,8 @@ import torch
 
 from mstar.models.base import NodeCall, NodeContext, NodeSubmodule
 from mstar.models.orpheus.snac import load_snac_decoder
-from mstar.models.orpheus.streaming import code_tensors
-from mstar.models.orpheus.tokens import TOKENS_PER_FRAME
+from mstar.models.orpheus.tokens import TOKENS_PER_FRAME, snac_codes
+from mstar.services.engines.batch import h2d
 
 RIGHT_CONTEXT_FRAMES = 2
 
@@ -44,9 +44,10 @@ class SnacNode(NodeSubmodule):
         audio: dict[int, torch.Tensor] = {}
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()):
             for idx in by_frames.values():
-                levels = [code_tensors(plans[i][0], self.device) for i in idx]
-                batch = [torch.cat([lv[k] for lv in levels]) for k in range(3)]
-                out = self.decoder.decode(batch)
+                levels = [snac_codes(plans[i][0]).levels for i in idx]  # type: ignore[index]
+                batch = [torch.tensor([lv[k] for lv in levels], dtype=torch.int64) for k in range(3)]
+                self.decoder.check_codes(batch)
+                out = self.decoder.decode([h2d(b, torch.device(self.device)) for b in batch], checked=True)
                 for row, i in enumerate(idx):
                     audio[i] = out[row, 0]
             spf = self.samples_per_frame

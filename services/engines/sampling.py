@@ -12,6 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from functools import cached_property
 
 import torch
 
@@ -56,8 +57,11 @@ class SamplingParams:
         """The parameters that draw output number ``index`` (resolves allowed_token_cycle)."""
         if not self.allowed_token_cycle:
             return self
-        ranges = self.allowed_token_cycle[index % len(self.allowed_token_cycle)]
-        return replace(self, allowed_token_ranges=ranges, allowed_token_cycle=())
+        return self._cycle[index % len(self.allowed_token_cycle)]
+
+    @cached_property
+    def _cycle(self) -> tuple[SamplingParams, ...]:  # per-step hot path: resolved once
+        return tuple(replace(self, allowed_token_ranges=r, allowed_token_cycle=()) for r in self.allowed_token_cycle)
 
 
 class FinishReason(IntEnum):
@@ -197,9 +201,9 @@ class Sampler:
         if slot is None:
             slot = self._slots[key] = self._free.pop() if self._free else self._grow(vocab, device)
         assert self._seen is not None
-        self._seen[slot] = False  # queued after any in-flight write of a former owner
+        self._seen[slot].zero_()  # queued after any in-flight write of a former owner
         if len(token_ids):
-            self._seen[slot, h2d(torch.as_tensor(list(token_ids), dtype=torch.int64), device)] = True
+            self._seen[slot].index_fill_(0, h2d(torch.as_tensor(list(token_ids), dtype=torch.int64), device), True)
 
     def forget(self, key: str) -> None:
         slot = self._slots.pop(key, None)
@@ -252,10 +256,11 @@ class Sampler:
         else:
             pick = self._draw(x, params, counters)
         tokens = pick if compact is None else compact.gather(1, pick[:, None])[:, 0]
-        if any(slots):
+        if any(slots):  # mark the drawn ids seen (index_fill_: an indexed assignment may sync)
+            assert self._seen is not None
             rows = [i for i, s in enumerate(slots) if s]
-            sel = h2d(torch.tensor(rows), dev)
-            self._seen[h2d(torch.tensor([slots[i] for i in rows]), dev), tokens[sel]] = True  # type: ignore[index]
+            sel = h2d(torch.tensor([rows, [slots[i] for i in rows]]), dev)
+            self._seen.view(-1).index_fill_(0, sel[1] * self._seen.shape[1] + tokens[sel[0]], True)
         return tokens
 
     def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int]) -> torch.Tensor:
