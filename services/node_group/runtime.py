@@ -241,7 +241,9 @@ class NodeGroupRuntime:
         return any(f is not None and f.done() for f in self._engine_step.values())
 
     def _pump_engines(self, loop) -> bool:
-        """Collect finished engine steps and start the next ones; True if any finished."""
+        """Start the next step of every engine whose step finished, then route the finished
+        step's outputs while the next one runs; True if any finished. (The calls those
+        outputs produce join the step after: an engine never idles while this loop routes.)"""
         finished = False
         for node, engine in self.engines.items():
             fut = self._engine_step[node]
@@ -250,11 +252,15 @@ class NodeGroupRuntime:
                     continue
                 self._engine_step[node] = None
                 finished = True
+            self._launch_engine(loop, node, engine)
+            if fut is not None:
                 self._engine_done(node, fut)
-            inbox, releases = self._inbox[node], self._engine_releases[node]
-            live = [c for c in inbox if c.request_id in self.requests]
-            if not (live or releases or engine.has_work):
-                continue
+        return finished
+
+    def _launch_engine(self, loop, node: str, engine: EngineNode) -> None:
+        inbox, releases = self._inbox[node], self._engine_releases[node]
+        live = [c for c in inbox if c.request_id in self.requests]
+        if live or releases or engine.has_work:
             self._inbox[node], self._engine_releases[node] = [], []
             t0 = time.perf_counter()
             args = (engine, live, releases, t0)
@@ -268,7 +274,6 @@ class NodeGroupRuntime:
                     fut.set_exception(e)
             fut.add_done_callback(lambda _f: self._wake.set())
             self._engine_step[node] = fut
-        return finished
 
     def _engine_done(self, node: str, fut) -> None:
         try:
