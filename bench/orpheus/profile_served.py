@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import subprocess
 import tempfile
 import threading
@@ -30,7 +31,14 @@ def summarize(raw: Path, top: int = 40) -> str:
         self_t[frames[-1]] += n
         for f in set(frames):
             incl[f] += n
-    out = [f"samples: {total}", "", "## self"]
+    threads = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if n.isdigit():
+            threads[stack.split(";")[0]] += int(n)
+    out = [f"samples: {total}", "", "## busy samples per thread"]
+    out += [f"{c:6d}  {t}" for t, c in threads.most_common()]
+    out += ["", "## self"]
     out += [f"{100 * c / total:5.1f}%  {f}" for f, c in self_t.most_common(top)]
     out += ["", "## inclusive (mstar code)"]
     out += [f"{100 * c / total:5.1f}%  {f}" for f, c in incl.most_common(400) if "/mstar/" in f or "main/" in f][:top]
@@ -52,19 +60,27 @@ def main() -> None:
     mesh = start_mesh(root, args.placement)
     try:
         asyncio.run(mstar_level(mesh.conductor_address, 4, 64))
-        pid = next(s.proc.pid for s in mesh.services if s.name in ("orpheus", "llm"))
-        raw = Path(args.out).with_suffix(".raw")
+        pids = {s.name: s.proc.pid for s in mesh.services}
+        pids["bench-client"] = os.getpid()
+        out = Path(args.out)
 
-        def spy():
+        def spy(name: str, pid: int) -> None:
             time.sleep(3)
             subprocess.run(["py-spy", "record", "-p", str(pid), "-d", "8", "-r", "200", "-f", "raw", "--threads",
-                            "-o", str(raw), "--nonblocking"], check=False, capture_output=True)
+                            "-o", str(out.with_suffix(f".{name}.raw")), "--nonblocking"], check=False, capture_output=True)
 
-        t = threading.Thread(target=spy)
-        t.start()
+        spies = [threading.Thread(target=spy, args=item) for item in pids.items()]
+        for t in spies:
+            t.start()
         r = asyncio.run(mstar_level(mesh.conductor_address, args.streams, args.max_tokens))
-        t.join()
-        Path(args.out).write_text(json.dumps(r) + "\n\n" + summarize(raw))
+        for t in spies:
+            t.join()
+        parts = [json.dumps(r), "8 s at 200 Hz: 1,600 samples = one thread busy all the time"]
+        for name in pids:
+            raw = out.with_suffix(f".{name}.raw")
+            if raw.exists():
+                parts += ["", f"# process {name}", summarize(raw)]
+        out.write_text("\n".join(parts))
     finally:
         mesh.stop()
 

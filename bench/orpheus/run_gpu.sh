@@ -3,7 +3,8 @@
 #   bash bench/orpheus/run_gpu.sh OUTDIR "BENCH_ARGS" [profile]
 # BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""), once per
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>.json); "profile" also
-# py-spies the LLM's node group at 64 streams (profile_served.py). Checkpoints are written once.
+# py-spies every process at 64 streams (profile_served.py); "snac" runs snac_bench.py first.
+# BENCH_ARGS "skip" runs no bench. Checkpoints are written once.
 set -u -o pipefail
 OUT=${1:?OUTDIR}; ARGS=${2:-}; STAGES=",${3:-},"
 T0=$(date +%s)
@@ -17,7 +18,14 @@ export PYTHONPATH=/tmp/pkg:/tmp/wh:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 REPO=$PWD; cd bench/orpheus
+if [[ $STAGES == *",snac,"* ]]; then
+  stamp snac
+  python -c "from pathlib import Path; from bench_orpheus import SNAC_24K; from mstar.models.orpheus.demo_checkpoint import write_random_snac; write_random_snac(Path('/tmp/snac-ckpt/hubertsiuzdak/snac_24khz'), SNAC_24K)"
+  python snac_bench.py --root /tmp/snac-ckpt --out "$OUT/snac_bench.json"
+fi
+[[ $ARGS == skip ]] && PLACEMENTS=none
 for P in ${PLACEMENTS:-split}; do
+  [[ $P == none ]] && continue
   stamp "bench $P"
   eval python bench_orpheus.py --root /tmp/orpheus-ckpt --placement $P --out "$OUT/orpheus-$P.json" $ARGS
 done

@@ -109,7 +109,7 @@ class OrpheusLLM(EngineNode):
         # Iteration i streams the token it was given and returns the next one; the engine
         # ends at end-of-speech or max_tokens, after which `submit` answers END_OF_SPEECH —
         # so the loop stops only once the last real token has been streamed.
-        return int(outputs["token"][0]) == END_OF_SPEECH
+        return outputs["token"].item() == END_OF_SPEECH
 
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)
@@ -121,7 +121,7 @@ class OrpheusLLM(EngineNode):
     def _outputs(self, call: NodeCall, token: int) -> dict[str, torch.Tensor]:
         out = {"token": torch.tensor([token], dtype=torch.int64)}
         if call.walk == "decode":
-            out["code"] = self._code(call, int(call.inputs["token"][0]))
+            out["code"] = self._code(call, call.inputs["token"].item())
         return out
 
     @staticmethod

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.services.engines.batch import h2d
+
 log = logging.getLogger(__name__)
 
 
@@ -79,9 +81,12 @@ class StatelessEngine:
 
     def _run_group(self, items: list[torch.Tensor], length: int) -> list[torch.Tensor]:
         n, bucket = len(items), self.batch_bucket(len(items))
-        batch = items[0].new_zeros((bucket, length, *items[0].shape[1:]), device=self.device)
+        host = all(x.device.type == "cpu" for x in items)  # then pad on the host and copy once
+        batch = items[0].new_zeros((bucket, length, *items[0].shape[1:]), device="cpu" if host else self.device)
         for row, x in enumerate(items):
-            batch[row, : x.shape[0]] = x.to(self.device)
+            batch[row, : x.shape[0]] = x if host else x.to(self.device)
+        if host:
+            batch = h2d(batch, self.device)
         out = self._call(batch)
         self.stats.batches += 1
         self.stats.padded_rows += bucket - n
