@@ -155,6 +155,13 @@ class EngineNode(NodeSubmodule):
     def submit(self, call: NodeCall) -> None:
         raise NotImplementedError
 
+    def try_submit(self, call: NodeCall) -> bool | dict[str, torch.Tensor]:
+        """Called on the event-loop thread, while ``step`` may be running on the engine's
+        thread. Return False to have the call go through ``submit`` on the engine's thread
+        before the next step; True if the call was taken (a later ``step`` returns it); or
+        the call's outputs if they are ready now. Only for what is safe across threads."""
+        return False
+
     @property
     def has_work(self) -> bool:
         raise NotImplementedError

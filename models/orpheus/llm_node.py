@@ -12,6 +12,7 @@ the official Orpheus decoder does.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class OrpheusLLM(EngineNode):
         self.buffered: dict[str, deque[int]] = {}
         self.finished: set[str] = set()
         self.ready: list[tuple[NodeCall, dict | Exception]] = []
+        self.lock = threading.Lock()  # pending / buffered / finished: engine thread and event loop
         log.info("orpheus llm loaded from %s on %s (%s)", checkpoint, ctx.device, dtype)
 
     # -- EngineNode ----------------------------------------------------------------------
@@ -72,15 +74,29 @@ class OrpheusLLM(EngineNode):
                                     stop_token_ids=(END_OF_SPEECH,), max_tokens=int(kw["max_tokens"]),
                                     allowed_token_cycle=self.cycle)
             self.engine.add_request(rid, call.inputs["prompt_ids"].tolist(), params, key=("llm", "prefill"))
-            self.pending[rid] = call
+            with self.lock:
+                self.pending[rid] = call
             return
-        buf = self.buffered.get(rid)
-        if buf:
-            self.ready.append((call, self._outputs(call, buf.popleft())))
-        elif rid in self.finished:  # the engine stopped (stop token / max_tokens): end the loop
-            self.ready.append((call, self._outputs(call, END_OF_SPEECH)))
-        else:
-            self.pending[rid] = call
+        taken = self.try_submit(call)
+        if taken is not True:
+            self.ready.append((call, taken))  # type: ignore[arg-type]
+
+    def try_submit(self, call: NodeCall) -> bool | dict[str, torch.Tensor]:
+        """A decode call (safe from the event loop's thread: the token buffers are shared with
+        ``step`` under a lock): its token if already drawn, else wait for the step that draws it."""
+        if call.walk == "prefill":
+            return False  # adds a sequence to the engine: the engine's thread only
+        rid = call.request_id
+        with self.lock:
+            buf = self.buffered.get(rid)
+            if buf:
+                token = buf.popleft()
+            elif rid in self.finished:  # the engine stopped (stop token / max_tokens): end the loop
+                token = END_OF_SPEECH
+            else:
+                self.pending[rid] = call
+                return True
+        return self._outputs(call, token)
 
     @property
     def has_work(self) -> bool:
@@ -90,19 +106,23 @@ class OrpheusLLM(EngineNode):
         done, self.ready = self.ready, []
         if not self.engine.has_work:
             return done
-        for ev in self.engine.step():
-            rid = ev.request_id
-            if ev.status.finished:
-                self.finished.add(rid)
-            call = self.pending.pop(rid, None)
-            if ev.token_id is None:  # aborted inside the engine (its timeout)
-                if call is not None:
-                    done.append((call, RuntimeError(f"request {rid} was aborted by the KV-cache engine")))
-                continue
-            if call is None:
-                self.buffered.setdefault(rid, deque()).append(ev.token_id)
-            else:
-                done.append((call, self._outputs(call, ev.token_id)))
+        answered = []
+        events = self.engine.step()
+        with self.lock:
+            for ev in events:
+                rid = ev.request_id
+                if ev.status.finished:
+                    self.finished.add(rid)
+                call = self.pending.pop(rid, None)
+                if ev.token_id is None:  # aborted inside the engine (its timeout)
+                    if call is not None:
+                        done.append((call, RuntimeError(f"request {rid} was aborted by the KV-cache engine")))
+                    continue
+                if call is None:
+                    self.buffered.setdefault(rid, deque()).append(ev.token_id)
+                else:
+                    answered.append((call, ev.token_id))
+        done += [(call, self._outputs(call, token)) for call, token in answered]
         return done
 
     def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:
@@ -113,9 +133,10 @@ class OrpheusLLM(EngineNode):
 
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)
-        self.pending.pop(request_id, None)
-        self.buffered.pop(request_id, None)
-        self.finished.discard(request_id)
+        with self.lock:
+            self.pending.pop(request_id, None)
+            self.buffered.pop(request_id, None)
+            self.finished.discard(request_id)
 
     # -- helpers -------------------------------------------------------------------------
     def _outputs(self, call: NodeCall, token: int) -> dict[str, torch.Tensor]:

@@ -219,9 +219,7 @@ class NodeGroupRuntime:
                 (walk, node), batch = picked
                 calls, live = self._calls(walk, node, batch)
                 if node in self.engines:
-                    for call, (req, inst) in zip(calls, live, strict=True):
-                        self._in_engine[id(call)] = (call, req, inst, node)
-                        self._inbox[node].append(call)
+                    self._to_engine(node, calls, live)
                 elif calls:
                     t0 = time.perf_counter()
                     outputs = await self._execute(loop, node, calls)
@@ -236,6 +234,28 @@ class NodeGroupRuntime:
                     await self._wake.wait()
                 continue
             await asyncio.sleep(0)  # let arriving frames in between steps
+
+    def _to_engine(self, node: str, calls: list[NodeCall], live) -> None:
+        """Calls the engine takes now (``try_submit``) skip the wait for its next step;
+        outputs it has at once are routed at once."""
+        engine = self.engines[node]
+        now_live, now_calls, now_out = [], [], []
+        for call, where in zip(calls, live, strict=True):
+            self._in_engine[id(call)] = (call, *where, node)
+            try:
+                taken: bool | dict | Exception = engine.try_submit(call)
+            except Exception as e:
+                taken = e  # fails this call like a failed step would
+            if taken is False:
+                self._inbox[node].append(call)
+            elif taken is not True:  # outputs (or the error) now
+                del self._in_engine[id(call)]
+                now_live.append(where)
+                now_calls.append(call)
+                now_out.append(taken)
+        if now_calls:
+            self.calls += len(now_calls)
+            self._update(node, now_live, now_calls, now_out)
 
     def _engines_ready(self) -> bool:
         return any(f is not None and f.done() for f in self._engine_step.values())
