@@ -172,6 +172,18 @@ class EngineNode(NodeSubmodule):
     def forward(self, batch: Any) -> list[dict[str, torch.Tensor]]:
         raise TypeError("an EngineNode runs through submit/step, not forward")
 
+    # -- tensor parallelism (a node group with tp_size > 1) ---------------------------------
+    #: the ``TensorParallel`` rank this node joined when created with ``NodeContext.tp``;
+    #: a node that leaves it None does not run tensor-parallel
+    tensor_parallel: Any = None
+
+    def follow(self) -> None:
+        """Ranks past 0: mirror rank 0's engine until its ``close``."""
+        raise TypeError(f"{type(self).__name__} does not run tensor-parallel")
+
+    def close(self) -> None:
+        """The service is stopping (rank 0 releases its followers here)."""
+
 
 @dataclass(frozen=True)
 class NodeContext:
@@ -181,6 +193,7 @@ class NodeContext:
     device: str
     cache_dir: str | None
     model_kwargs: dict[str, Any]
+    tp: Any = None  # a TPSpec when the node group has tp_size > 1: join it (see EngineNode.tensor_parallel)
 
 
 class Model:

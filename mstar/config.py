@@ -78,6 +78,8 @@ def parse_config(data: Any, source: str = "config") -> PlacementConfig:
         tp = g.get("tp_size", 1)
         _expect(isinstance(tp, int) and tp >= 1, f"{where}: tp_size must be a positive integer")
         _expect(len(ranks) == tp, f"{where}: tp_size={tp} needs {tp} ranks, got {ranks}")
+        _expect(tp == 1 or len(names) == 1, f"{where}: tp_size={tp} splits one engine node over its ranks; "
+                f"put {names} in separate node groups (a tensor-parallel group holds exactly one node)")
         walks = g.get("graph_walks")
         _expect(walks is None or (isinstance(walks, list) and all(isinstance(w, str) for w in walks)), f"{where}: graph_walks must be a list of walk names")
         name = g.get("name", f"group{i}")

@@ -85,6 +85,8 @@ class Mesh:
                     "--tensor-comm-protocol", opts.protocol, "--device", device, "--log-level", lvl]
             if opts.cache_dir:
                 argv += ["--cache-dir", opts.cache_dir]
+            if g.tp_size > 1 and opts.gpus is not None:  # the service starts ranks 1.. itself
+                argv += ["--tp-devices", ",".join(f"cuda:{opts.gpus[r]}" for r in g.ranks)]
             self.services.append(Service(g.name, "node_group", groups[g.name], argv))
         self.services.append(Service("conductor", "conductor", self.conductor_address, [
             py, "-m", "mstar.conductor", "--config", cfg, "--address", self.conductor_address,

@@ -74,6 +74,8 @@ ALL = ["rot", "keep", "combine", "decoder", "tally", "synth", "meter", "captione
 @pytest.mark.parametrize("data,message", [
     ({"model": "toy"}, "node_groups must be a non-empty list"),
     ({"model": "toy", "node_groups": [{"node_names": ALL, "ranks": [0], "tp_size": 2}]}, r"tp_size=2 needs 2 ranks, got \[0\]"),
+    ({"model": "toy", "node_groups": [{"node_names": ALL, "ranks": [0, 1], "tp_size": 2}]},
+     "a tensor-parallel group holds exactly one node"),
     ({"model": "toy", "node_groups": [{"node_names": ALL, "colour": 1}]}, "unknown keys"),
     ({"model": "toy", "max_seq_len": -3, "node_groups": [{"node_names": ALL}]}, "max_seq_len"),
     ({"model": "toy", "node_groups": [{"node_names": ALL, "name": "x"}, {"node_names": ["rot"], "name": "x"}]}, "unique"),

@@ -35,8 +35,8 @@ class DemoSpec:
     hidden_size: int = 16
     intermediate_size: int = 32
     num_layers: int = 2
-    num_heads: int = 2
-    num_kv_heads: int = 1
+    num_heads: int = 4
+    num_kv_heads: int = 2  # grouped-query like Llama-3.2-3B, and splits over tp_size 2
     max_position_embeddings: int = 4096
     snac: SnacConfig = DEMO_SNAC
 

@@ -28,6 +28,7 @@ from mstar.models.orpheus.tokens import (
 from mstar.services.engines.kv_engine import EngineConfig, KVCacheEngine
 from mstar.services.engines.llama import LlamaForCausalLM
 from mstar.services.engines.sampling import SamplingParams
+from mstar.services.engines.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 NO_CODE = torch.empty(0, dtype=torch.int64)
@@ -54,8 +55,9 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
 class OrpheusLLM(EngineNode):
     def __init__(self, checkpoint: Path, ctx: NodeContext):
         dtype = torch.bfloat16 if ctx.device.startswith("cuda") else torch.float32
-        model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=ctx.device)
-        self.engine = KVCacheEngine(model, engine_config(ctx))
+        tp = self.tensor_parallel = TensorParallel(ctx.tp, ctx.device) if ctx.tp is not None else None
+        model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=ctx.device, tp=tp)
+        self.engine = KVCacheEngine(model, engine_config(ctx), tp=tp)
         self.cycle = CODE_CYCLE if ctx.model_kwargs.get("constrain_codes", True) else ()
         self.pending: dict[str, NodeCall] = {}
         self.buffered: dict[str, deque[int]] = {}
@@ -65,6 +67,12 @@ class OrpheusLLM(EngineNode):
         log.info("orpheus llm loaded from %s on %s (%s)", checkpoint, ctx.device, dtype)
 
     # -- EngineNode ----------------------------------------------------------------------
+    def follow(self) -> None:
+        self.engine.follow()
+
+    def close(self) -> None:
+        self.engine.close()
+
     def submit(self, call: NodeCall) -> None:
         rid = call.request_id
         if call.walk == "prefill":

@@ -39,6 +39,9 @@ class SnacNode(NodeSubmodule):
         self.device = ctx.device
         self.decoder = load_snac_decoder(checkpoint, device=ctx.device)
         self.samples_per_frame = self.decoder.config.samples_per_frame
+        # SNAC's decoder adds fresh Gaussian noise on every decode (the reference does, so
+        # we do by default); snac_noise: false leaves it out: audio then depends only on the codes
+        self.noise = bool(ctx.model_kwargs.get("snac_noise", True))
         cuda = ctx.device.startswith("cuda")
         self.stream = torch.cuda.Stream(device=ctx.device) if cuda else None
         graphs = cuda and bool(ctx.model_kwargs.get("snac_cuda_graphs", True))
@@ -54,7 +57,7 @@ class SnacNode(NodeSubmodule):
         """[B, 7F] packed codes -> [B, 1, F * samples_per_frame] audio."""
         f = packed.shape[1] // TOKENS_PER_FRAME
         levels = list(packed.split([f, 2 * f, 4 * f], dim=1))
-        return self.decoder.decode(levels, checked=True)
+        return self.decoder.decode(levels, checked=True, noise=self.noise)
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         plans = [self._plan(c) for c in calls]

@@ -22,7 +22,7 @@ from mstar.services.engines.layers import ForwardContext
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # those <= max_num_seqs are captured
 
 
 def graphs_unavailable_reason(device: torch.device, backend_name: str) -> str | None:

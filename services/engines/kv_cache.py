@@ -90,10 +90,15 @@ class PagedKVCache:
         device: torch.device | str,
         kv_cache_bytes: int | None = None,
         gpu_memory_fraction: float = 0.9,
+        tp=None,
     ) -> PagedKVCache:
+        """``tp``: a ``TensorParallel`` rank; every rank gets the fewest pages any rank can
+        hold (the leader's page ids index every rank's cache)."""
         device = torch.device(device)
         budget = kv_budget_bytes(device, kv_cache_bytes, gpu_memory_fraction)
         num_pages = spec.pages_for_bytes(budget)
+        if tp is not None and tp.size > 1:
+            num_pages = tp.min_int(num_pages)
         log.info("KV cache: %d pages x %d tokens, %d bytes/token", num_pages, spec.page_size, spec.bytes_per_token)
         return cls(spec, num_pages, device)
 

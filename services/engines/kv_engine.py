@@ -90,11 +90,14 @@ class _Launched:
 
 class KVCacheEngine:
     def __init__(self, model: PagedDecoder, config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, tp=None):
+        """``tp``: this process's ``TensorParallel`` rank for a model loaded with it. Rank 0
+        is a full engine; the others only mirror its passes (``follow``)."""
         p = next(model.parameters())  # type: ignore[attr-defined]
         self.device, self.dtype, self.config, self.clock = p.device, p.dtype, config, clock
+        self.tp = tp
         spec = model.config.kv_spec(config.page_size, p.dtype)  # type: ignore[attr-defined]
-        self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction)
+        self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction, tp)
         backend = make_backend(config.attention, model.config.heads, p.device, p.dtype, config.page_size)
         self.ops = make_ops(config.kernels, p.device, p.dtype)
         why_no_graphs = graphs_unavailable_reason(p.device, backend.name)
@@ -102,11 +105,12 @@ class KVCacheEngine:
         if config.cuda_graphs and why_no_graphs:
             log.info("CUDA graphs off: %s", why_no_graphs)
         elif config.cuda_graphs:
-            graphs = DecodeGraphs(model, self.cache, config.graph_batch_sizes, ops=self.ops)
+            sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
+            graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)
-        self.runner = ModelRunner(model, self.cache, backend, graphs, self.ops)
+        self.runner = ModelRunner(model, self.cache, backend, graphs, self.ops, tp)
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
         self.sampler = Sampler()
@@ -120,6 +124,14 @@ class KVCacheEngine:
     @property
     def model(self) -> PagedDecoder:
         return self.runner.model
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks past 0: mirror the leader's passes until it calls ``close``."""
+        self.runner.follow()
+
+    def close(self) -> None:
+        """Release the followers (the leader's last word to them)."""
+        self.runner.stop_followers()
 
     # -- scheduled generation ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,

@@ -110,9 +110,11 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one GEMM."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, tp=None):
+        """``intermediate``: this rank's rows when ``tp`` (a ``TensorParallel``) splits the MLP."""
         super().__init__()
         self.intermediate = intermediate
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
@@ -120,8 +122,14 @@ class GatedMLP(nn.Module):
         """Fused child -> the checkpoint modules stacked along its output rows, in order."""
         return {"gate_up_proj": (("gate_proj", self.intermediate), ("up_proj", self.intermediate))}
 
+    def tp_split(self) -> dict[str, int]:
+        """Parameter -> the dim its checkpoint tensors split along over tensor-parallel ranks
+        (biases of row-parallel layers load on rank 0 only: see ``load_checkpoint``)."""
+        return {"gate_up_proj.weight": 0, "gate_up_proj.bias": 0, "down_proj.weight": 1}
+
     def forward(self, x: torch.Tensor, ops: Ops = TORCH_OPS) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class PagedAttention(nn.Module):
@@ -132,9 +140,11 @@ class PagedAttention(nn.Module):
     """
 
     def __init__(self, layer_idx: int, hidden: int, heads: HeadShape, rope: RotaryEmbedding,
-                 qkv_bias: bool = False, o_bias: bool = False):
+                 qkv_bias: bool = False, o_bias: bool = False, tp=None):
+        """``heads``: this rank's heads when ``tp`` (a ``TensorParallel``) splits them."""
         super().__init__()
         self.layer_idx, self.heads, self.rope = layer_idx, heads, rope
+        self.tp = tp if tp is not None and tp.size > 1 else None
         d = heads.head_dim
         self.q_size, self.kv_size = heads.num_qo_heads * d, heads.num_kv_heads * d
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -142,6 +152,9 @@ class PagedAttention(nn.Module):
 
     def checkpoint_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
         return {"qkv_proj": (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size))}
+
+    def tp_split(self) -> dict[str, int]:
+        return {"qkv_proj.weight": 0, "qkv_proj.bias": 0, "o_proj.weight": 1}
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Un-rotated q [n, Hq, D], k, v [n, Hkv, D]: views into one GEMM's output."""
@@ -156,7 +169,8 @@ class PagedAttention(nn.Module):
         kv_layer = ctx.kv[self.layer_idx]
         ctx.ops.store_kv(kv_layer, ctx.slots, k, v)
         o = ctx.backend.run(q, kv_layer[0], kv_layer[1])
-        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+        out = self.o_proj(o.reshape(x.shape[0], self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

@@ -5,7 +5,7 @@ GEMM each as they load)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,15 @@ class LlamaConfig:
     @property
     def heads(self) -> HeadShape:
         return HeadShape(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def shard(self, size: int) -> LlamaConfig:
+        """One tensor-parallel rank's view: its heads and MLP rows (hidden size and vocab stay)."""
+        for what, n in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                        ("intermediate_size", self.intermediate_size)):
+            if n % size:
+                raise ValueError(f"{what}={n} does not split over tp_size={size}")
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
+                       intermediate_size=self.intermediate_size // size)
 
     def kv_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype)
@@ -99,14 +108,14 @@ class LlamaConfig:
 class LlamaBackbone(nn.Module):
     """Embeddings -> decoder layers -> final norm (HF's ``model.`` subtree)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(
             DecoderLayer(
-                PagedAttention(i, cfg.hidden_size, cfg.heads, rope, cfg.attention_bias, cfg.attention_bias),
-                GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias),
+                PagedAttention(i, cfg.hidden_size, cfg.heads, rope, cfg.attention_bias, cfg.attention_bias, tp),
+                GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp),
                 cfg.hidden_size,
                 cfg.rms_norm_eps,
             )
@@ -125,12 +134,14 @@ class LlamaBackbone(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The backbone plus an LM head. ``forward`` maps token ids or input embeddings
-    ([num_tokens] / [num_tokens, hidden], sequences concatenated) to final hidden states."""
+    ([num_tokens] / [num_tokens, hidden], sequences concatenated) to final hidden states.
 
-    def __init__(self, cfg: LlamaConfig):
+    With ``tp`` (a ``TensorParallel`` rank), ``cfg`` is the rank's shard (``LlamaConfig.shard``)."""
+
+    def __init__(self, cfg: LlamaConfig, tp=None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaBackbone(cfg)
+        self.model = LlamaBackbone(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -146,16 +157,20 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                        device: torch.device | str = "cpu") -> LlamaForCausalLM:
+                        device: torch.device | str = "cpu", tp=None) -> LlamaForCausalLM:
+        """``tp``: this process's ``TensorParallel`` rank (loads its shard of the weights)."""
         from mstar.services.engines.weights import load_checkpoint
 
         cfg = LlamaConfig.from_dir(path)
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        if size > 1:
+            cfg = cfg.shard(size)
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, tp)
         model = model.to_empty(device=device).to(dtype)  # RotaryEmbedding refills its fp32 inv_freq
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        load_checkpoint(model, path)
+        load_checkpoint(model, path, tp_rank=rank, tp_size=size)
         if torch.device(device).type == "cuda":
             set_weight_layout(model, column_major=True)
         return model.requires_grad_(False).eval()

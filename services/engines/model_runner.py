@@ -3,6 +3,7 @@ embed, run the layers (or replay a captured CUDA graph for a padded decode batch
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -12,6 +13,8 @@ from mstar.services.engines.batch import StepInputs, h2d
 from mstar.services.engines.kernels import TORCH_OPS, Ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.layers import ForwardContext
+
+log = logging.getLogger(__name__)
 
 
 class PagedDecoderConfig(Protocol):
@@ -37,8 +40,11 @@ class PagedDecoder(Protocol):
 
 class ModelRunner:
     def __init__(self, model: PagedDecoder, cache: PagedKVCache, backend: AttentionBackend, graphs=None,
-                 ops: Ops = TORCH_OPS):
+                 ops: Ops = TORCH_OPS, tp=None):
+        """``tp``: a ``TensorParallel`` rank; the leader's runs are mirrored on every follower
+        (``follow``)."""
         self.model, self.cache, self.backend, self.graphs, self.ops = model, cache, backend, graphs, ops
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.device = cache.device
         # fused RoPE reads a cos/sin table of this many rows: positions past it must not reach it
         self.max_position = (getattr(model.config, "max_position_embeddings", None)
@@ -59,6 +65,34 @@ class ModelRunner:
                 raise ValueError(f"position {top} is past max_position_embeddings={self.max_position}")
         if token_ids is not None and token_ids.device.type == "cpu":
             token_ids = h2d(token_ids, self.device)
+        if self.tp is not None:  # followers run the same pass on their shards
+            x = (token_ids if token_ids is not None else embeds.to(self.device)).contiguous()
+            self.tp.send(("run", inputs, token_ids is not None, tuple(x.shape), x.dtype))
+            self.tp.broadcast(x)
+            token_ids, embeds = (x, None) if token_ids is not None else (None, x)
+        return self._run(inputs, token_ids, embeds)
+
+    def follow(self) -> None:
+        """A follower rank: run what the leader runs until it sends ``stop``."""
+        if self.tp is None or self.tp.leader:
+            raise RuntimeError("follow() is for tensor-parallel ranks past 0")
+        with torch.inference_mode():
+            while True:
+                command = self.tp.receive()
+                if command[0] == "stop":
+                    return
+                _, inputs, are_ids, shape, dtype = command
+                x = self.tp.broadcast(torch.empty(shape, dtype=dtype, device=self.device))
+                try:
+                    self._run(inputs, x if are_ids else None, None if are_ids else x)
+                except Exception:  # the leader's pass failed the same way (same inputs): keep following
+                    log.exception("tensor-parallel rank %d: a mirrored pass failed", self.tp.rank)
+
+    def stop_followers(self) -> None:
+        if self.tp is not None and self.tp.leader:
+            self.tp.send(("stop",))
+
+    def _run(self, inputs: StepInputs, token_ids: torch.Tensor | None, embeds: torch.Tensor | None) -> torch.Tensor:
         graph_ok = self.graphs is not None and token_ids is not None and inputs.attn.is_decode
         self.last_run_replayed = graph_ok and inputs.padded_rows in self.graphs.batch_sizes
         if self.last_run_replayed:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -53,21 +53,45 @@ def checkpoint_files(directory: str | Path) -> dict[str, Path]:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """A tensor-parallel rank's piece of a checkpoint tensor: chunk ``rank`` of ``size`` along ``dim``."""
+
+    dim: int
+    rank: int
+    size: int
+
+    def take(self, t: torch.Tensor, name: str, source: str) -> torch.Tensor:
+        if t.shape[self.dim] % self.size:
+            raise WeightLoadError(f"{source}: tensor '{name}' dim {self.dim} ({t.shape[self.dim]}) does not split "
+                                  f"over {self.size} tensor-parallel ranks")
+        return t.chunk(self.size, self.dim)[self.rank]
+
+
+@dataclass(frozen=True)
 class Target:
     """Where one checkpoint tensor goes: rows [start, start + rows) of dim 0 of ``param``
-    (``rows`` None: the whole parameter)."""
+    (``rows`` None: the whole parameter); with ``shard``, only this tensor-parallel rank's
+    chunk of the checkpoint tensor; with ``zero``, zeros (the bias of a row-parallel layer
+    on ranks past 0: the all-reduce adds rank 0's once)."""
 
     param: str
     start: int = 0
     rows: int | None = None
+    shard: Shard | None = None
+    zero: bool = False
 
 
-def checkpoint_targets(module: nn.Module) -> dict[str, Target]:
+def checkpoint_targets(module: nn.Module, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Target]:
     """Checkpoint tensor name -> its target. A parameter loads from its own name unless its
     module fuses checkpoint modules: a submodule's ``checkpoint_rows()`` maps a fused child
     (``qkv_proj``) to the checkpoint children stacked along its rows (``q_proj``, ``k_proj``,
-    ``v_proj`` with their row counts), for each of the child's parameters (weight, bias)."""
+    ``v_proj`` with their row counts), for each of the child's parameters (weight, bias).
+    With ``tp_size`` > 1, a submodule's ``tp_split()`` names the parameters split over ranks
+    and the dim (0: output rows, 1: input columns) they split along."""
     targets = {name: Target(name) for name, _ in module.named_parameters(remove_duplicate=False)}
+    if tp_size > 1:
+        split = _tp_targets(module, tp_rank, tp_size)
+        targets = {name: replace(t, **split.get(name, {})) for name, t in targets.items()}
     for prefix, sub in module.named_modules():
         rows_of = getattr(sub, "checkpoint_rows", None)
         if rows_of is None:
@@ -76,12 +100,27 @@ def checkpoint_targets(module: nn.Module) -> dict[str, Target]:
         for fused, parts in rows_of().items():
             for pname in [n for n in targets if n.startswith(f"{dot}{fused}.")]:
                 suffix = pname[len(f"{dot}{fused}.") :]
-                del targets[pname]
+                split = targets.pop(pname)
                 start = 0
                 for part, rows in parts:
-                    targets[f"{dot}{part}.{suffix}"] = Target(pname, start, rows)
+                    targets[f"{dot}{part}.{suffix}"] = Target(pname, start, rows, split.shard, split.zero)
                     start += rows
     return targets
+
+
+def _tp_targets(module: nn.Module, rank: int, size: int) -> dict[str, dict]:
+    """Parameter -> the Target fields that split it over tensor-parallel ranks."""
+    out: dict[str, dict] = {}
+    for prefix, sub in module.named_modules():
+        split = getattr(sub, "tp_split", None)
+        if split is None:
+            continue
+        dot = f"{prefix}." if prefix else ""
+        for rel, dim in split().items():
+            out[dot + rel] = {"shard": Shard(dim, rank, size)}
+            if dim == 1 and rel.endswith(".weight"):  # a row-parallel layer: its bias is added once
+                out[f"{dot}{rel[: -len('weight')]}bias"] = {"zero": rank > 0}
+    return out
 
 
 def load_checkpoint(
@@ -89,9 +128,12 @@ def load_checkpoint(
     directory: str | Path,
     ignore: Iterable[str] = DEFAULT_IGNORE,
     tied: dict[str, str] | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> None:
     """Copy every parameter of ``module`` from the checkpoint, casting to the parameter's dtype
-    (fused parameters from their parts, see ``checkpoint_targets``).
+    (fused parameters from their parts, tensor-parallel ranks their shards: see
+    ``checkpoint_targets``).
 
     ``tied`` maps a parameter that may be absent from the checkpoint to the one it shares
     storage with (default: ``lm_head.weight`` -> ``model.embed_tokens.weight`` when the
@@ -103,7 +145,8 @@ def load_checkpoint(
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(where[name], []).append(name)
-    targets, params = checkpoint_targets(module), dict(module.named_parameters(remove_duplicate=False))
+    targets = checkpoint_targets(module, tp_rank, tp_size)
+    params = dict(module.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for f, file_names in by_file.items():
             with safe_open(str(f), framework="pt") as sf:
@@ -151,11 +194,17 @@ def _plan(module: nn.Module, available: Mapping[str, object], ignore: Iterable[s
 def _copy(params: dict[str, nn.Parameter], target: Target, name: str, t: torch.Tensor, source: str) -> None:
     p = params[target.param]
     dst = p if target.rows is None else p[target.start : target.start + target.rows]
-    if tuple(t.shape) != tuple(dst.shape):
+    sh = target.shard
+    part = sh.take(t, name, source) if sh is not None else t
+    if tuple(part.shape) != tuple(dst.shape):
+        per_rank = f" on each of {sh.size} tensor-parallel ranks (split along dim {sh.dim})" if sh else ""
         raise WeightLoadError(
-            f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}"
+            f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}{per_rank}"
         )
-    dst.copy_(t.to(p.dtype))
+    if target.zero:
+        dst.zero_()
+    else:
+        dst.copy_(part.to(p.dtype))
 
 
 def _default_ties(module: nn.Module) -> dict[str, str]:

@@ -18,7 +18,8 @@ import torch
 
 from mstar import metrics
 from mstar.config import Placement
-from mstar.models.base import EngineNode, Model, NodeCall, NodeContext
+from mstar.models.base import EngineNode, Model, NodeCall, NodeContext, NodeSubmodule
+from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.services.links import Links
 from mstar.services.node_group.fragment import InstanceKey, WalkInstance
 from mstar.services.node_group.router import RequestFailed, Router
@@ -29,6 +30,20 @@ from mstar.v1 import node_group_pb2 as pb
 log = logging.getLogger(__name__)
 K = pb.FrameKind
 MAX_TOMBSTONES = 100_000
+
+
+def create_submodules(model: Model, placement: Placement, group: str, device: str, cache_dir: str | None,
+                      tp: TPSpec | None = None) -> dict[str, NodeSubmodule]:
+    """The group's nodes; with ``tp``, each must join the tensor-parallel ranks."""
+    cfg = placement.config.group(group)
+    subs = {n: model.create_submodule(NodeContext(n, device, cache_dir, placement.config.model_kwargs, tp))
+            for n in cfg.node_names}
+    if tp is not None:
+        for n, sub in subs.items():
+            if not isinstance(sub, EngineNode) or sub.tensor_parallel is None:
+                raise ValueError(f"node group '{group}' has tp_size={tp.size}, but node '{n}' of model "
+                                 f"'{model.name}' does not run tensor-parallel; use tp_size 1")
+    return subs
 
 
 @dataclass
@@ -54,11 +69,11 @@ class Pending:
 
 class NodeGroupRuntime:
     def __init__(self, group: str, model: Model, placement: Placement, peers: dict[str, str | list[str]],
-                 conductor: str, protocol: Protocol, device: str = "cpu", cache_dir: str | None = None):
+                 conductor: str, protocol: Protocol, device: str = "cpu", cache_dir: str | None = None,
+                 tp: TPSpec | None = None):
+        """``tp``: rank 0's place in the group's tensor-parallel ranks (tp_size > 1)."""
         self.group, self.model, self.placement = group, model, placement
-        cfg = placement.config.group(group)
-        self.submodules = {n: model.create_submodule(NodeContext(n, device, cache_dir, placement.config.model_kwargs))
-                           for n in cfg.node_names}
+        self.submodules = create_submodules(model, placement, group, device, cache_dir, tp)
         self.location = local_location(group, device)
         self.links = Links(group, protocol, self._on_link_down)
         for peer, address in peers.items():  # defaults for frames that carry no route
@@ -405,6 +420,12 @@ class NodeGroupRuntime:
         return len(self.requests)
 
     async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for engine in self.engines.values():  # on the engine's thread: after its last step
+            try:
+                await loop.run_in_executor(self._engine_executor, engine.close)
+            except Exception:
+                log.exception("closing an engine failed")
         await self.links.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._engine_executor.shutdown(wait=False, cancel_futures=True)

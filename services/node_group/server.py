@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 
 import grpc
@@ -16,8 +17,9 @@ import grpc
 from mstar import metrics
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
+from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.services.grpc_server import ServerBase, run_service
-from mstar.services.node_group.runtime import NodeGroupRuntime
+from mstar.services.node_group.runtime import NodeGroupRuntime, create_submodules
 from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
 from mstar.v1 import conductor_pb2, conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
@@ -112,10 +114,83 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port-file", metavar="PATH", help='write {"address", "port", "metrics_port"} as JSON to PATH '
                    "once serving (useful with port 0)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tp-devices", default=None, help="comma-separated devices of a tp_size > 1 group's ranks, rank 0 "
+                   "first (default: --device and the devices after it: cuda:0 -> cuda:0,cuda:1; cpu for every rank)")
+    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set on the followers rank 0 starts
+    p.add_argument("--tp-init", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--log-level", default="INFO")
     metrics.add_metrics_arg(p)
     return p.parse_args(argv)
+
+
+def tp_devices(device: str, size: int, given: str | None) -> list[str]:
+    if given:
+        devices = [d.strip() for d in given.split(",")]
+        if len(devices) != size:
+            raise ValueError(f"--tp-devices lists {len(devices)} devices; the group has tp_size={size}")
+        return devices
+    if device.startswith("cuda"):
+        first = int(device.partition(":")[2] or 0)
+        return [f"cuda:{first + i}" for i in range(size)]
+    return [device] * size
+
+
+class Followers:
+    """Tensor-parallel ranks 1.. of this node group: child processes that mirror rank 0's
+    engine. One that exits takes the service down (rank 0 would wait on it forever)."""
+
+    def __init__(self, args: argparse.Namespace, size: int):
+        devices = tp_devices(args.device, size, args.tp_devices)
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            self.spec = TPSpec(0, size, f"tcp://127.0.0.1:{sk.getsockname()[1]}")
+        self.procs = []
+        for rank in range(1, size):
+            argv = [sys.executable, "-m", "mstar.services.node_group", "--config", args.config, "--group", args.group,
+                    "--conductor", args.conductor, "--device", devices[rank], "--tp-rank", str(rank),
+                    "--tp-init", self.spec.init_method, "--log-level", args.log_level,
+                    *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        log.info("node group '%s': tensor-parallel ranks 1..%d started on %s", args.group, size - 1, devices[1:])
+
+    async def watch(self, on_exit) -> None:
+        while True:
+            for rank, p in enumerate(self.procs, 1):
+                if p.poll() is not None:
+                    on_exit(f"tensor-parallel rank {rank} exited with code {p.returncode}")
+                    return
+            await asyncio.sleep(0.5)
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        for p in self.procs:
+            try:
+                p.wait(wait_s)  # released by rank 0's close
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def follow(args: argparse.Namespace) -> None:
+    """A tensor-parallel rank past 0: load this rank's shard and mirror rank 0's passes."""
+    config = load_config(args.config)
+    model = create_model(config.model, config.model_kwargs, args.cache_dir)
+    spec = TPSpec(args.tp_rank, config.group(args.group).tp_size, args.tp_init)
+    subs = create_submodules(model, Placement(config, model), args.group, args.device, args.cache_dir, spec)
+    (sub,) = subs.values()  # the config allows one node per tensor-parallel group
+    log.info("node group '%s' tensor-parallel rank %d following on %s", args.group, args.tp_rank, args.device)
+    sub.follow()
+    sub.tensor_parallel.close()
+    log.info("node group '%s' tensor-parallel rank %d released", args.group, args.tp_rank)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -124,8 +199,16 @@ async def serve(args: argparse.Namespace) -> None:
     placement = Placement(config, model)
     protocol = parse_protocol(args.tensor_comm_protocol)
     configure_service(args.address, protocol)
-    runtime = NodeGroupRuntime(args.group, model, placement, json.loads(args.peers), args.conductor,
-                               protocol, args.device, args.cache_dir)
+    size = config.group(args.group).tp_size
+    followers = Followers(args, size) if size > 1 else None
+    try:
+        runtime = NodeGroupRuntime(args.group, model, placement, json.loads(args.peers), args.conductor,
+                                   protocol, args.device, args.cache_dir, followers.spec if followers else None)
+    except BaseException:
+        if followers:
+            for p in followers.procs:
+                p.kill()
+        raise
     for sub in runtime.submodules.values():
         if callable(getattr(sub, "kv_stats", None)):
             metrics.watch_kv(args.group, sub.kv_stats)
@@ -147,16 +230,33 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     joining = loop.create_task(join_conductor(args.conductor, args.group, advertised))
+    failure: list[str] = []
+    if followers:
+        def rank_exited(why: str) -> None:
+            failure.append(why)
+            stop.set()
+
+        watching = loop.create_task(followers.watch(rank_exited))
     await stop.wait()
     log.info("node group '%s' draining", args.group)
     joining.cancel()
     await join_conductor(args.conductor, args.group, advertised, leave=True)
+    if failure:  # rank 0's engine would block on the dead rank: leave at once, the conductor fails its requests
+        log.error("node group '%s': %s; stopping", args.group, failure[0])
+        os._exit(1)
     await server.stop()
+    if followers:
+        watching.cancel()
+        await loop.run_in_executor(None, followers.stop)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s [{args.group}] %(name)s: %(message)s")
+    who = args.group if not args.tp_rank else f"{args.group}:tp{args.tp_rank}"
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s [{who}] %(name)s: %(message)s")
+    if args.tp_rank:
+        follow(args)
+        return
     # The event loop and each engine's stepping thread share the GIL. At Python's default
     # 5 ms switch interval a thread back from a GPU wait (GIL released) can sit up to 5 ms
     # behind the other one's routing; 0.5 ms keeps the hand-off well under a decode step.

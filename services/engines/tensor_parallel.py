@@ -1,0 +1,94 @@
+"""Tensor parallelism for the KV-cache engine: one engine, its weights split over ranks.
+
+Megatron-style split of a decoder: q/k/v and gate/up are column-parallel (each rank holds
+``1/size`` of the heads and of the MLP's intermediate rows), o_proj and down_proj are
+row-parallel (the matching input columns) and end in an all-reduce, so every rank holds
+the full hidden state after each block. Embeddings and the LM head are replicated; only
+rank 0 computes logits.
+
+Rank 0 (the *leader*) is the engine the node group drives: it schedules, owns the page
+tables and samples. Ranks 1.. (*followers*) hold their shard of the weights and of every
+KV page (same page ids, their heads), and mirror each forward pass: the leader broadcasts
+the pass's host inputs (positions, page tables, slots) on a CPU group and its token ids or
+embeddings on the device group, then all ranks run the same layers. Collectives are
+stream-ordered, so a pipelined decode step never waits for the host; on CUDA the
+all-reduces are part of the captured decode graphs, which every rank captures in the same
+order at start.
+
+CPU ranks use gloo (tests check TP=2 against TP=1 that way); CUDA ranks use NCCL for
+tensors and gloo for commands.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+INIT_TIMEOUT_S = 120.0  # every rank must join within this long
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """Where this process sits in a tensor-parallel group (from the node-group service)."""
+
+    rank: int
+    size: int
+    init_method: str  # tcp://host:port of rank 0's rendezvous store
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside [0, {self.size})")
+
+
+class TensorParallel:
+    """This process's rank: collectives over the device group, commands over a CPU group."""
+
+    def __init__(self, spec: TPSpec, device: torch.device | str):
+        self.rank, self.size = spec.rank, spec.size
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)
+        timeout = datetime.timedelta(seconds=INIT_TIMEOUT_S)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=spec.init_method, rank=spec.rank,
+                                world_size=spec.size, timeout=timeout, **({"device_id": self.device} if cuda else {}))
+        self.group = dist.group.WORLD
+        self.commands = dist.new_group(backend="gloo", timeout=timeout) if cuda else self.group
+        log.info("tensor-parallel rank %d/%d on %s joined", self.rank, self.size, self.device)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype), stream-ordered."""
+        dist.broadcast(x, 0, group=self.group)
+        return x
+
+    def send(self, command: object) -> None:
+        """Leader: a picklable command to every follower (they wait in ``receive``)."""
+        dist.broadcast_object_list([command], 0, group=self.commands)
+
+    def receive(self) -> object:
+        box = [None]
+        dist.broadcast_object_list(box, 0, group=self.commands)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.commands)
+        return int(t.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
