@@ -73,7 +73,9 @@ def write_checkpoints(root: Path, tiny: bool) -> None:
 #: (models/orpheus/configs/disaggregated.yaml with both on rank 0), "one" as one process
 PLACEMENTS = {"one": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"], "ranks": [0]}],
               "split": [{"name": "llm", "node_names": ["llm"], "ranks": [0]},
-                        {"name": "codec", "node_names": ["snac_decoder"], "ranks": [0]}]}
+                        {"name": "codec", "node_names": ["snac_decoder"], "ranks": [0]}],
+              "tp2": [{"name": "llm", "node_names": ["llm"], "ranks": [0, 1], "tp_size": 2},  # two GPUs
+                      {"name": "codec", "node_names": ["snac_decoder"], "ranks": [0]}]}
 
 
 def start_mesh(root: Path, placement: str) -> Mesh:
@@ -82,7 +84,7 @@ def start_mesh(root: Path, placement: str) -> Mesh:
                                     "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256,
                                                      **({"kv_cache_bytes": 64 << 20} if DEVICE == "cpu" else {})},
                                     "node_groups": PLACEMENTS[placement]}))
-    mesh = Mesh(load_config(cfg_path), LaunchOptions(cfg_path, port=0, grpc_port=0, gpus=[0] if DEVICE == "cuda" else None,
+    mesh = Mesh(load_config(cfg_path), LaunchOptions(cfg_path, port=0, grpc_port=0, gpus=list(range(torch.cuda.device_count())) if DEVICE == "cuda" else None,
                                                      cache_dir=str(root), log_level="WARNING", startup_timeout_s=300))
     mesh.start()
     return mesh

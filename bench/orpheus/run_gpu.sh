@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Orpheus GPU runs in one device call, from the repository root, with .fi/ and .wheels/ carried:
-#   bash bench/orpheus/run_gpu.sh OUTDIR "BENCH_ARGS" [profile]
+#   bash bench/orpheus/run_gpu.sh OUTDIR "BENCH_ARGS" [profile,snac,tp]
 # BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""), once per
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>.json); "profile" also
 # py-spies every process at 64 streams (profile_served.py); "snac" runs snac_bench.py first.
-# BENCH_ARGS "skip" runs no bench. Checkpoints are written once.
+# "tp" runs bench/engines/tp_bench.py (two GPUs). BENCH_ARGS "skip" runs no bench.
+# Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
 set -u -o pipefail
 OUT=${1:?OUTDIR}; ARGS=${2:-}; STAGES=",${3:-},"
 T0=$(date +%s)
@@ -23,6 +24,11 @@ if [[ $STAGES == *",snac,"* ]]; then
   python -c "from pathlib import Path; from bench_orpheus import SNAC_24K; from mstar.models.orpheus.demo_checkpoint import write_random_snac; write_random_snac(Path('/tmp/snac-ckpt/hubertsiuzdak/snac_24khz'), SNAC_24K)"
   python snac_bench.py --root /tmp/snac-ckpt --out "$OUT/snac_bench.json"
 fi
+if [[ $STAGES == *",tp,"* ]]; then  # two GPUs: the engine at TP=2 vs TP=1 on the Orpheus LLM checkpoint
+  stamp tp
+  python -c "from pathlib import Path; from bench_orpheus import write_checkpoints as w; r = Path('/tmp/orpheus-ckpt'); (r / 'hubertsiuzdak').exists() or w(r, tiny=False)"
+  (cd "$REPO" && timeout 240 python bench/engines/tp_bench.py --ckpt /tmp/orpheus-ckpt/canopylabs/orpheus-3b-0.1-ft --out "$OUT/tp_bench.json" 2>&1 | grep -v Warning | tail -40)
+fi
 [[ $ARGS == skip ]] && PLACEMENTS=none
 for P in ${PLACEMENTS:-split}; do
   [[ $P == none ]] && continue
@@ -33,4 +39,5 @@ if [[ $STAGES == *",profile,"* ]]; then
   stamp profile
   python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_64_streams.txt" --streams 64
 fi
+tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null
 stamp done
