@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,8 +46,7 @@ def rank_main(rank: int, world: int, ckpt: str, init: str, out: str, batches: li
     eng = KVCacheEngine(model, cfg, tp=tp)
     if rank > 0:
         eng.follow()
-        tp.close()  # type: ignore[union-attr]
-        return
+        os._exit(0)
     with torch.inference_mode():
         hidden = eng.forward([ForwardItem("parity", token_ids=torch.tensor(PARITY_PROMPT))])[0]
         logits = eng.logits(hidden).float().cpu()
@@ -59,8 +60,7 @@ def rank_main(rank: int, world: int, ckpt: str, init: str, out: str, batches: li
         print(f"tp={world} batch {b}: {res['speed'][b]}", flush=True)
     torch.save(res, out)
     eng.close()
-    if tp is not None:
-        tp.close()
+    os._exit(0)  # no process-group teardown: NCCL's destroy can wait on the other rank forever
 
 
 @torch.inference_mode()
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,128")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    tmp = Path(args.out).with_suffix("")
+    tmp = Path(tempfile.mkdtemp(prefix="tp-bench-")) / "x"  # logits files: not next to the report
     one = run(1, args.ckpt, tmp.with_name("tp1.pt"), batches)
     two = run(2, args.ckpt, tmp.with_name("tp2.pt"), batches)
     a, b = one["logits"], two["logits"]

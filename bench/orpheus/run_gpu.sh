@@ -27,7 +27,7 @@ fi
 if [[ $STAGES == *",tp,"* ]]; then  # two GPUs: the engine at TP=2 vs TP=1 on the Orpheus LLM checkpoint
   stamp tp
   python -c "from pathlib import Path; from bench_orpheus import write_checkpoints as w; r = Path('/tmp/orpheus-ckpt'); (r / 'hubertsiuzdak').exists() or w(r, tiny=False)"
-  (cd "$REPO" && timeout 240 python bench/engines/tp_bench.py --ckpt /tmp/orpheus-ckpt/canopylabs/orpheus-3b-0.1-ft --out "$OUT/tp_bench.json" 2>&1 | grep -v Warning | tail -40)
+  (cd "$REPO" && timeout 500 python bench/engines/tp_bench.py --ckpt /tmp/orpheus-ckpt/canopylabs/orpheus-3b-0.1-ft --out "$OUT/tp_bench.json" ${TP_BATCHES:+--batches $TP_BATCHES} 2>&1 | grep -v Warning | tail -40)
 fi
 [[ $ARGS == skip ]] && PLACEMENTS=none
 for P in ${PLACEMENTS:-split}; do
