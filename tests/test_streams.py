@@ -66,3 +66,43 @@ def test_policies_count_rows_not_iterations():
         got += c.push(torch.tensor(item, dtype=torch.int64))
     got += c.finish()
     assert [(i.index, i.start, t.tolist()) for i, t in got] == [(0, 0, [0, 1, 2]), (1, 3, [3, 4, 5])]
+
+
+def test_remote_stream_sends_one_frame_per_chunk_and_the_receiver_cuts_the_same_chunks(toy_config):
+    """A sender holds stream rows until they complete a chunk the receiver will cut."""
+    from mstar.config import Placement
+    from mstar.models.registry import create_model
+    from mstar.services.links import Links
+    from mstar.services.node_group.router import Router
+    from mstar.services.transport import Protocol
+
+    config = toy_config()  # decoder streams to the 'audio' group under all three policies
+    model = create_model(config.model, config.model_kwargs)
+    router = Router("decoder", model, Placement(config, model), Links("decoder", Protocol.TCP, lambda *a: None),
+                    spawn=lambda *a: None)
+    sent = []
+    router.deliver = lambda req, inst, dst, name, it, value, targets, done=False: sent.append((dst, value, done))
+    plan = model.plans["generate"]
+    edges = plan.streams
+    assert {router.placement.host(e.topology.dst_walk, e.dst) for e in edges} == {"audio"}
+    for n in (3, 8, 13, 29):
+        inst = router.new_instance(("generate", 0, -1))
+        for e in edges:
+            sent.clear()
+            direct = Chunker(e.policy)
+            expected = []
+            for i in range(n):
+                item = torch.tensor([i]) if i % 5 != 2 else torch.empty(0, dtype=torch.int64)  # some steps stream nothing
+                expected += direct.push(item)
+                router.stream(None, inst, e, i, item)
+            expected += direct.finish()
+            sent.append((e.dst, router.held_back(inst, e), True))  # what flush_loop_outputs sends
+            receiver, got = Chunker(e.policy), []
+            for _, value, done in sent:
+                if value is not None:
+                    got += receiver.push(value)
+                if done:
+                    got += receiver.finish()
+            assert [(i, t.tolist()) for i, t in got] == [(i, t.tolist()) for i, t in expected], (e.dst, n)
+            # one frame per chunk cut before the end (+ the end): not one per item
+            assert len(sent) == sum(1 for info, _ in expected if not info.final) + 1, (e.dst, n)

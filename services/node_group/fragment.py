@@ -35,6 +35,8 @@ class WalkInstance:
     decided: dict[str, int] = field(default_factory=dict)  # owner: iterations known to continue
     exits: dict[tuple[str, str], list[torch.Tensor]] = field(default_factory=dict)
     chunkers: dict[tuple[str, str], Chunker] = field(default_factory=dict)  # (node, edge)
+    # outbound streams to another group: the receiver's chunker shadowed, and rows held back
+    outbox: dict[tuple[str, str], tuple[Chunker, list[torch.Tensor]]] = field(default_factory=dict)
     children: int = 0
     flushed: set[str] = field(default_factory=set)  # loop nodes whose exits/stream ends went out
     finished_sent: bool = False

@@ -137,8 +137,7 @@ class Router:
                 acc.append(value)
                 continue
             if kind is EdgeKind.STREAM:
-                target = host(e.topology.dst_walk, e.dst)
-                self.deliver(req, inst, e.dst, e.name, it, value, [target])
+                self.stream(req, inst, e, it, value)
                 continue
             if kind is EdgeKind.CARRIED:
                 end = inst.loop_end.get(lp.name)
@@ -154,6 +153,30 @@ class Router:
         if lp is not None:
             self.flush_loop_outputs(req, inst, node)
 
+    def stream(self, req, inst: WalkInstance, e: StreamingGraphEdge, iteration: int, value: torch.Tensor) -> None:
+        """One item of a streaming edge. Colocated: handed over at once. Remote: held until
+        it completes a chunk the receiver will cut (or the stream ends), then sent with
+        the items held before it in one frame."""
+        target = self.placement.host(e.topology.dst_walk, e.dst)
+        if target == self.group:
+            self.deliver(req, inst, e.dst, e.name, iteration, value, [target])
+            return
+        held = inst.outbox.get((e.dst, e.name))
+        if held is None:
+            held = inst.outbox[(e.dst, e.name)] = (Chunker(e.policy, keep_rows=False), [])
+        shadow, rows = held
+        rows.append(value)
+        if shadow.push(value):
+            value = rows[0] if len(rows) == 1 else torch.cat(rows)
+            rows.clear()
+            self.deliver(req, inst, e.dst, e.name, iteration, value, [target])
+
+    @staticmethod
+    def held_back(inst: WalkInstance, e) -> torch.Tensor | None:
+        """The rows of a remote stream not sent yet (they go with its end), or None."""
+        held = inst.outbox.pop((e.dst, e.name), None)
+        return torch.cat(held[1]) if held and held[1] else None
+
     def flush_loop_outputs(self, req, inst: WalkInstance, node: str) -> None:
         """Once a loop node ran its last iteration: send its exit values and end its streams."""
         lp = inst.plan.nodes[node].loop
@@ -168,7 +191,8 @@ class Router:
                 value = torch.cat(values) if e.name in lp.accumulate else values[-1]
                 self.deliver(req, inst, e.dst, e.name, -1, value, [host(inst.walk, e.dst)])
             elif pe.kind is EdgeKind.STREAM:
-                self.deliver(req, inst, e.dst, e.name, -1, None, [host(e.topology.dst_walk, e.dst)], done=True)
+                self.deliver(req, inst, e.dst, e.name, -1, self.held_back(inst, e), [host(e.topology.dst_walk, e.dst)],
+                             done=True)
 
     def fragment_done(self, req, inst: WalkInstance) -> None:
         frame = self._frame(inst, req, K.FRAME_KIND_FRAGMENT_DONE)

@@ -3,6 +3,11 @@
 A stream is a sequence of rows (dim 0): each producer iteration appends its value's
 rows — usually one, possibly none (nothing worth streaming this step) or several.
 Policies count rows. Only the rows a future chunk can still need are kept.
+
+A sender across a link runs a counting Chunker (``keep_rows=False``) as a shadow of the
+receiver's: rows the receiver cannot cut a chunk from yet are held back and go out in one
+frame with the rows that complete the next chunk, so a stream of one row per iteration
+costs one frame per chunk, not one per row, and reaches the consumer no later.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ Chunk = tuple[ChunkInfo, torch.Tensor]
 
 
 class Chunker:
-    def __init__(self, policy: ChunkPolicy):
-        self.policy = policy
+    def __init__(self, policy: ChunkPolicy, keep_rows: bool = True):
+        """``keep_rows=False``: count only; chunks come back without tensors."""
+        self.policy, self.keep_rows = policy, keep_rows
         self.rows: torch.Tensor | None = None  # rows [base, count) of the stream
         self.base = 0  # stream position of rows[0]
         self.count = 0  # rows received
@@ -29,6 +35,8 @@ class Chunker:
         info = ChunkInfo(index=self.chunks, start=start, new_from=self.covered, final=final)
         self.chunks += 1
         self.covered = end
+        if not self.keep_rows:
+            return info, None  # type: ignore[return-value]
         assert self.rows is not None
         return info, self.rows[start - self.base : end - self.base]
 
@@ -42,7 +50,8 @@ class Chunker:
             raise RuntimeError("item after the stream ended")
         if item.dim() == 0:
             item = item.reshape(1)
-        self.rows = item if self.rows is None else torch.cat([self.rows, item])
+        if self.keep_rows:
+            self.rows = item if self.rows is None else torch.cat([self.rows, item])
         self.count += item.shape[0]
         return self._ready(final=False)
 
