@@ -188,8 +188,8 @@ def main() -> None:
         write_checkpoints(root, args.tiny)
     result["checkpoint_write_s"] = time.perf_counter() - t
     result["placement"] = args.placement
-    mesh = start_mesh(root, args.placement)
     t = time.perf_counter()
+    mesh = start_mesh(root, args.placement)
     result["mesh_start_s"] = time.perf_counter() - t
     try:
         asyncio.run(mstar_level(mesh.conductor_address, 4, 64))  # warm-up

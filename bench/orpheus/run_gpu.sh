@@ -18,6 +18,8 @@ for d in services models conductor gateway; do ln -sfn "$PWD/$d" /tmp/pkg/mstar/
 export PYTHONPATH=/tmp/pkg:/tmp/wh:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+save_jit() { tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null; }  # after each stage: a cut-off call keeps it
+LIMIT=${LIMIT:-570}  # the device call's limit: the profile gets what is left
 REPO=$PWD; cd bench/orpheus
 if [[ $STAGES == *",snac,"* ]]; then
   stamp snac
@@ -34,10 +36,11 @@ for P in ${PLACEMENTS:-split}; do
   [[ $P == none ]] && continue
   stamp "bench $P"
   eval python bench_orpheus.py --root /tmp/orpheus-ckpt --placement $P --out "$OUT/orpheus-$P.json" $ARGS
+  save_jit
 done
 if [[ $STAGES == *",profile,"* ]]; then
   stamp profile
-  python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_64_streams.txt" --streams 64
+  timeout $(( LIMIT - ($(date +%s) - T0) )) python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_64_streams.txt" --streams 64
 fi
-tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null
+save_jit
 stamp done
