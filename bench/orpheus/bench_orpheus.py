@@ -78,11 +78,12 @@ PLACEMENTS = {"one": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"],
                       {"name": "codec", "node_names": ["snac_decoder"], "ranks": [0]}]}
 
 
-def start_mesh(root: Path, placement: str) -> Mesh:
+def start_mesh(root: Path, placement: str, model_kwargs: dict | None = None) -> Mesh:
     cfg_path = root / f"orpheus-{placement}.yaml"
     cfg_path.write_text(json.dumps({"model": "orpheus", "max_seq_len": 4096,
                                     "model_kwargs": {"gpu_memory_fraction": 0.8, "max_num_seqs": 256,
-                                                     **({"kv_cache_bytes": 64 << 20} if DEVICE == "cpu" else {})},
+                                                     **({"kv_cache_bytes": 64 << 20} if DEVICE == "cpu" else {}),
+                                                     **(model_kwargs or {})},
                                     "node_groups": PLACEMENTS[placement]}))
     mesh = Mesh(load_config(cfg_path), LaunchOptions(cfg_path, port=0, grpc_port=0, gpus=list(range(torch.cuda.device_count())) if DEVICE == "cuda" else None,
                                                      cache_dir=str(root), log_level="WARNING", startup_timeout_s=300))
@@ -179,6 +180,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks this script, measures nothing")
     ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
     ap.add_argument("--placement", choices=PLACEMENTS, default="split")
+    ap.add_argument("--model-kwargs", default="{}", help="JSON merged into the config's model_kwargs (e.g. snac_dtype)")
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "knobs": KNOBS,
               "max_tokens": args.max_tokens, "real_time_tokens_per_s": REAL_TIME_TOKENS_PER_S, "mstar": [], "baseline": []}
@@ -187,9 +189,9 @@ def main() -> None:
     if not (root / "hubertsiuzdak").exists():
         write_checkpoints(root, args.tiny)
     result["checkpoint_write_s"] = time.perf_counter() - t
-    result["placement"] = args.placement
+    result["placement"], result["model_kwargs"] = args.placement, json.loads(args.model_kwargs)
     t = time.perf_counter()
-    mesh = start_mesh(root, args.placement)
+    mesh = start_mesh(root, args.placement, result["model_kwargs"])
     result["mesh_start_s"] = time.perf_counter() - t
     try:
         asyncio.run(mstar_level(mesh.conductor_address, 4, 64))  # warm-up

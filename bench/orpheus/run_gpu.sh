@@ -2,7 +2,7 @@
 # Orpheus GPU runs in one device call, from the repository root, with .fi/ and .wheels/ carried:
 #   bash bench/orpheus/run_gpu.sh OUTDIR "BENCH_ARGS" [profile,snac,tp]
 # BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""), once per
-# placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>.json); "profile" also
+# placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>$SUFFIX.json); "profile" also
 # py-spies every process at 64 streams (profile_served.py); "snac" runs snac_bench.py first.
 # "tp" runs bench/engines/tp_bench.py (two GPUs). BENCH_ARGS "skip" runs no bench.
 # Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
@@ -35,7 +35,7 @@ fi
 for P in ${PLACEMENTS:-split}; do
   [[ $P == none ]] && continue
   stamp "bench $P"
-  eval python bench_orpheus.py --root /tmp/orpheus-ckpt --placement $P --out "$OUT/orpheus-$P.json" $ARGS
+  eval python bench_orpheus.py --root /tmp/orpheus-ckpt --placement $P --out "$OUT/orpheus-$P${SUFFIX:-}.json" $ARGS
   save_jit
 done
 if [[ $STAGES == *",profile,"* ]]; then

@@ -187,11 +187,13 @@ class SnacDecoder(nn.Module):
             )
 
 
-def load_snac_decoder(directory: str | Path, *, device: str | torch.device = "cpu") -> SnacDecoder:
-    """Load `config.json` + `pytorch_model.bin` (snac's layout) from a local directory, float32, eval."""
+def load_snac_decoder(directory: str | Path, *, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> SnacDecoder:
+    """Load `config.json` + `pytorch_model.bin` (snac's layout) from a local directory, eval;
+    float32 unless ``dtype`` says otherwise (the reference runs float32)."""
     directory = Path(directory)
     cfg = SnacConfig.from_json(directory / "config.json")
     model = SnacDecoder(cfg)
     weights_path, raw = read_snac_state_dict(directory)
     model.load_state_dict(decode_path_state_dict(raw, model.state_dict(), source=weights_path))
-    return model.to(device=device, dtype=torch.float32).eval()
+    return model.to(device=device, dtype=dtype).eval()

@@ -147,3 +147,25 @@ def test_state_dict_names_are_snacs_folded_names(reference_snac):
     ours = SnacDecoder(SnacConfig.from_dict(json.loads((reference_snac[1] / "config.json").read_text())))
     assert set(ours.state_dict()) <= snac_names
     assert {k for k in snac_names if k.startswith("decoder.")} <= set(ours.state_dict())
+
+
+def test_half_precision_decode_stays_close_to_the_float32_reference(reference_snac, ours):
+    """snac_dtype bfloat16 (a serving knob for GPUs): same weights cast, noise off.
+    Measured on this tiny random decoder: relative L2 error 2.4e-2; asserted < 5e-2."""
+    codes = random_codes(4, batch=2, seed=5)
+    want = ours.decode(codes, noise=False)
+    half = load_snac_decoder(reference_snac[1], dtype=torch.bfloat16)
+    got = half.decode(codes, noise=False)
+    assert got.dtype == torch.bfloat16
+    err = (got.float() - want).norm() / want.norm()
+    assert err < 5e-2, err
+
+
+def test_snac_node_names_a_bad_dtype(reference_snac):
+    from pathlib import Path
+
+    from mstar.models.base import NodeContext
+    from mstar.models.orpheus.snac_node import SnacNode
+
+    with pytest.raises(ValueError, match="model_kwargs.snac_dtype must be one of float32, bfloat16, float16, got 'fp8'"):
+        SnacNode(Path(reference_snac[1]), NodeContext("snac_decoder", "cpu", None, {"snac_dtype": "fp8"}))
