@@ -32,6 +32,23 @@ from mstar.services.engines.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 NO_CODE = torch.empty(0, dtype=torch.int64)
+_SCALARS: dict[int, torch.Tensor] = {}  # shared one-element tensors: nothing downstream writes to them
+_MAX_SCALARS = 1 << 16
+
+
+def scalar(v: int) -> torch.Tensor:
+    """``torch.tensor([v])``, cached: building a tensor costs microseconds, and each token
+    of each stream makes two (its token and its code)."""
+    t = _SCALARS.get(v)
+    if t is None:
+        t = torch.tensor([v], dtype=torch.int64)
+        if len(_SCALARS) < _MAX_SCALARS:
+            _SCALARS[v] = t
+    return t
+
+
+EOS = scalar(END_OF_SPEECH)  # cached first, so every end-of-speech output is this very tensor
+
 # Sampling follows SNAC's interleaving: output i is a code of frame position i % 7, or the
 # end of speech. A trained Orpheus nearly always picks such a token anyway; this makes
 # every token count (and random demo weights produce audio at the token rate).
@@ -137,7 +154,7 @@ class OrpheusLLM(EngineNode):
         # Iteration i streams the token it was given and returns the next one; the engine
         # ends at end-of-speech or max_tokens, after which `submit` answers END_OF_SPEECH —
         # so the loop stops only once the last real token has been streamed.
-        return outputs["token"].item() == END_OF_SPEECH
+        return outputs["token"] is EOS  # outputs come from _outputs: scalar() tensors
 
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)
@@ -148,7 +165,7 @@ class OrpheusLLM(EngineNode):
 
     # -- helpers -------------------------------------------------------------------------
     def _outputs(self, call: NodeCall, token: int) -> dict[str, torch.Tensor]:
-        out = {"token": torch.tensor([token], dtype=torch.int64)}
+        out = {"token": scalar(token)}
         if call.walk == "decode":
             out["code"] = self._code(call, call.inputs["token"].item())
         return out
@@ -160,7 +177,7 @@ class OrpheusLLM(EngineNode):
         if not 0 <= code < CODES_PER_POSITION:
             return NO_CODE
         call.state["codes"] = n + 1
-        return torch.tensor([code], dtype=torch.int64)
+        return scalar(code)
 
     @property
     def kv_stats(self) -> tuple[int, int]:

@@ -109,3 +109,25 @@ def test_snac_split_rejects_partial_frames_and_bad_codes():
         T.snac_codes([0, 0, 0, 4096, 0, 0, 0])
     with pytest.raises(ValueError, match=r"\(F, 2F, 4F\)"):
         T.SnacCodes((1,), (1,), (1, 2, 3, 4))
+
+
+def test_llm_node_outputs_codes_and_stops_only_at_end_of_speech():
+    """The LLM node's per-token outputs (cached one-element tensors) and its loop stop."""
+    import torch
+
+    from mstar.models.base import NodeCall
+    from mstar.models.orpheus.llm_node import OrpheusLLM
+
+    node = OrpheusLLM.__new__(OrpheusLLM)  # no engine: _outputs / check_stop need none
+    state: dict = {}
+    tokens = [T.AUDIO_TOKEN_OFFSET + p * T.CODES_PER_POSITION + 5 for p in range(7)] + [T.END_OF_SPEECH]
+    codes, stops = [], []
+    for i, (given, drawn) in enumerate(zip(tokens, tokens[1:] + [T.END_OF_SPEECH])):
+        call = NodeCall("r", "decode", i, {"token": torch.tensor([given])}, {}, state)
+        out = node._outputs(call, drawn)
+        assert out["token"].tolist() == [drawn]
+        codes.append(out["code"].tolist())
+        stops.append(node.check_stop(call, out))
+    assert codes == [[5]] * 7 + [[]]  # end of speech is no code
+    assert stops == [False] * 6 + [True, True]  # the loop ends once end of speech was drawn
+    assert state["codes"] == 7
