@@ -95,7 +95,9 @@ def req(seed, **kw):
     return cpb.GenerateRequest(model="counter", text=str(seed), model_kwargs_json=json.dumps(kw))
 
 
-def test_engine_node_batches_across_requests_and_releases():
+@pytest.mark.parametrize("blocking", [False, True], ids=["on-the-loop", "engine-thread"])
+def test_engine_node_batches_across_requests_and_releases(blocking, monkeypatch):
+    monkeypatch.setattr(CountingEngine, "blocking", blocking)  # True: an EngineWorker steps it on its own thread
     ENGINES.clear()
 
     async def go():
