@@ -13,6 +13,8 @@ class Settings:
     shm_prefix: str
     #: seconds a service waits for a peer before calling it unreachable
     connect_timeout_s: float
+    #: node groups' sys.setswitchinterval: how long a thread may hold the GIL while another waits
+    gil_switch_interval_s: float
 
 
 @lru_cache(maxsize=1)
@@ -20,4 +22,16 @@ def settings() -> Settings:
     return Settings(
         shm_prefix=os.environ.get("MSTAR_SHM_PREFIX", f"mstar-{os.getpid()}-"),
         connect_timeout_s=float(os.environ.get("MSTAR_CONNECT_TIMEOUT_S", "5")),
+        gil_switch_interval_s=_positive("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0005"),
     )
+
+
+def _positive(name: str, default: str) -> float:
+    raw = os.environ.get(name, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"environment variable {name} must be a positive number of seconds, got {raw!r}")
+    return value

@@ -64,3 +64,17 @@ def test_shm_roundtrip_pools_and_frees():
     receiver.close()
     assert not any(glob.glob(f"/dev/shm/{n}") for n in names)
     assert all(n.startswith(settings().shm_prefix) for n in names)
+
+
+def test_gil_switch_interval_setting_is_checked(monkeypatch):
+    settings.cache_clear()
+    try:
+        monkeypatch.setenv("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0001")
+        assert settings().gil_switch_interval_s == 0.0001
+        settings.cache_clear()
+        monkeypatch.setenv("MSTAR_GIL_SWITCH_INTERVAL_S", "fast")
+        with pytest.raises(ValueError, match="MSTAR_GIL_SWITCH_INTERVAL_S must be a positive number of seconds, got 'fast'"):
+            settings()
+    finally:
+        monkeypatch.undo()
+        settings.cache_clear()

@@ -14,7 +14,7 @@ import sys
 
 import grpc
 
-from mstar import metrics
+from mstar import env, metrics
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
 from mstar.services.engines.tensor_parallel import TPSpec
@@ -24,7 +24,6 @@ from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_se
 from mstar.v1 import conductor_pb2, conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger("mstar.node_group")
-SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval: see main()
 
 
 class NodeGroupServicer(node_group_pb2_grpc.NodeGroupServicer):
@@ -259,8 +258,9 @@ def main(argv=None) -> None:
         return
     # The event loop and each engine's stepping thread share the GIL. At Python's default
     # 5 ms switch interval a thread back from a GPU wait (GIL released) can sit up to 5 ms
-    # behind the other one's routing; 0.5 ms keeps the hand-off well under a decode step.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # behind the other one's routing; 0.5 ms (MSTAR_GIL_SWITCH_INTERVAL_S) keeps the hand-off
+    # well under a decode step.
+    sys.setswitchinterval(env.settings().gil_switch_interval_s)
     run_service(serve(args))
 
 

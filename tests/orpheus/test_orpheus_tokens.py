@@ -122,7 +122,7 @@ def test_llm_node_outputs_codes_and_stops_only_at_end_of_speech():
     state: dict = {}
     tokens = [T.AUDIO_TOKEN_OFFSET + p * T.CODES_PER_POSITION + 5 for p in range(7)] + [T.END_OF_SPEECH]
     codes, stops = [], []
-    for i, (given, drawn) in enumerate(zip(tokens, tokens[1:] + [T.END_OF_SPEECH])):
+    for i, (given, drawn) in enumerate(zip(tokens, tokens[1:] + [T.END_OF_SPEECH], strict=True)):
         call = NodeCall("r", "decode", i, {"token": torch.tensor([given])}, {}, state)
         out = node._outputs(call, drawn)
         assert out["token"].tolist() == [drawn]
