@@ -7,7 +7,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mstar.config import Placement, PlacementConfig
 from mstar.models.registry import create_model
+from mstar.ports import free_port
 
 
 class LaunchError(RuntimeError):
@@ -44,10 +44,6 @@ class LaunchOptions:
     envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny random model (a CPU look at the per-token overhead)")
     ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
     ap.add_argument("--placement", choices=PLACEMENTS, default="split")
+    ap.add_argument("--spy-args", default="", help="more py-spy record options, e.g. '--gil' (only the GIL holder) or '--idle'")
     args = ap.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="orpheus-prof-"))
     if not (root / "hubertsiuzdak").exists():
@@ -67,7 +68,8 @@ def main() -> None:
         def spy(name: str, pid: int) -> None:
             time.sleep(3)
             subprocess.run(["py-spy", "record", "-p", str(pid), "-d", "8", "-r", "200", "-f", "raw", "--threads",
-                            "-o", str(out.with_suffix(f".{name}.raw")), "--nonblocking"], check=False, capture_output=True)
+                            "-o", str(out.with_suffix(f".{name}.raw")), "--nonblocking", *args.spy_args.split()],
+                           check=False, capture_output=True)
 
         spies = [threading.Thread(target=spy, args=item) for item in pids.items()]
         for t in spies:
@@ -75,7 +77,7 @@ def main() -> None:
         r = asyncio.run(mstar_level(mesh.conductor_address, args.streams, args.max_tokens))
         for t in spies:
             t.join()
-        parts = [json.dumps(r), "8 s at 200 Hz: 1,600 samples = one thread busy all the time"]
+        parts = [json.dumps(r), f"8 s at 200 Hz: 1,600 samples = one thread busy all the time; py-spy extra: {args.spy_args!r}"]
         for name in pids:
             raw = out.with_suffix(f".{name}.raw")
             if raw.exists():

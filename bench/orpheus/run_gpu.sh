@@ -40,7 +40,7 @@ for P in ${PLACEMENTS:-split}; do
 done
 if [[ $STAGES == *",profile,"* ]]; then
   stamp profile
-  timeout $(( LIMIT - ($(date +%s) - T0) )) python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_64_streams.txt" --streams 64
+  timeout $(( LIMIT - ($(date +%s) - T0) )) python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_${PROFILE_STREAMS:-64}_streams${SUFFIX:-}.txt" --streams ${PROFILE_STREAMS:-64} --max-tokens ${PROFILE_TOKENS:-700} --spy-args="${SPY_ARGS:-}"
 fi
 save_jit
 stamp done

@@ -17,6 +17,7 @@ import grpc
 from mstar import env, metrics
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
+from mstar.ports import free_port
 from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.runtime import NodeGroupRuntime, create_submodules
@@ -141,9 +142,7 @@ class Followers:
 
     def __init__(self, args: argparse.Namespace, size: int):
         devices = tp_devices(args.device, size, args.tp_devices)
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            self.spec = TPSpec(0, size, f"tcp://127.0.0.1:{sk.getsockname()[1]}")
+        self.spec = TPSpec(0, size, f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
         self.procs = []
         for rank in range(1, size):
             argv = [sys.executable, "-m", "mstar.services.node_group", "--config", args.config, "--group", args.group,

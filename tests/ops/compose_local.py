@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,11 +19,11 @@ from pathlib import Path
 
 import yaml
 
+from mstar.launcher import free_port
+
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")  # below the ephemeral range: nothing takes it before its service binds it
 
 
 class LocalCompose:
