@@ -44,8 +44,6 @@ class LaunchOptions:
     envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
 
 
-
-
 @dataclass
 class Service:
     name: str

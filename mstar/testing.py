@@ -5,7 +5,6 @@ without process start-up costs; `mstar.launcher` runs the same servers as proces
 from __future__ import annotations
 
 import contextlib
-import socket
 from dataclasses import dataclass
 
 import grpc
@@ -15,17 +14,12 @@ from mstar.conductor.requests import RequestTable
 from mstar.conductor.server import ConductorServer
 from mstar.config import Placement, PlacementConfig
 from mstar.models.registry import create_model
+from mstar.ports import free_port
 from mstar.services.links import CHANNEL_OPTIONS
 from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.node_group.server import NodeGroupServer
 from mstar.services.transport import Protocol
 from mstar.v1 import conductor_pb2_grpc
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -47,8 +41,8 @@ class InProcessMesh:
 @contextlib.asynccontextmanager
 async def inprocess_mesh(config: PlacementConfig, protocol: Protocol = Protocol.TCP, cache_dir: str | None = None,
                          **conductor_kw):
-    addrs = {g: f"127.0.0.1:{_port()}" for g in config.group_names}
-    conductor_address = f"127.0.0.1:{_port()}"
+    addrs = {g: f"127.0.0.1:{free_port('127.0.0.1')}" for g in config.group_names}
+    conductor_address = f"127.0.0.1:{free_port('127.0.0.1')}"
     groups: dict[str, NodeGroupServer] = {}
     conductor = None
     try:

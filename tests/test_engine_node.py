@@ -97,7 +97,7 @@ def req(seed, **kw):
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["on-the-loop", "engine-thread"])
 def test_engine_node_batches_across_requests_and_releases(blocking, monkeypatch):
-    monkeypatch.setattr(CountingEngine, "blocking", blocking)  # True: an EngineWorker steps it on its own thread
+    monkeypatch.setattr(CountingEngine, "blocking", blocking)  # True: it steps on the node group's engine thread
     ENGINES.clear()
 
     async def go():

@@ -46,9 +46,6 @@ def scalar(v: int) -> torch.Tensor:
             _SCALARS[v] = t
     return t
 
-
-EOS = scalar(END_OF_SPEECH)  # cached first, so every end-of-speech output is this very tensor
-
 # Sampling follows SNAC's interleaving: output i is a code of frame position i % 7, or the
 # end of speech. A trained Orpheus nearly always picks such a token anyway; this makes
 # every token count (and random demo weights produce audio at the token rate).
@@ -154,7 +151,7 @@ class OrpheusLLM(EngineNode):
         # Iteration i streams the token it was given and returns the next one; the engine
         # ends at end-of-speech or max_tokens, after which `submit` answers END_OF_SPEECH —
         # so the loop stops only once the last real token has been streamed.
-        return outputs["token"] is EOS  # outputs come from _outputs: scalar() tensors
+        return outputs["token"].item() == END_OF_SPEECH
 
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)

@@ -14,7 +14,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from mstar.launcher import LaunchError, Service, free_port
+from mstar.launcher import LaunchError, Service
+from mstar.ports import free_port
 from mstar.xds.envoy import EnvoyNotFound, envoy_binary
 
 

@@ -167,7 +167,7 @@ class Router:
         shadow, rows = held
         rows.append(value)
         if shadow.push(value):
-            value = rows[0] if len(rows) == 1 else torch.cat(rows)
+            value = _joined(rows)
             rows.clear()
             self.deliver(req, inst, e.dst, e.name, iteration, value, [target])
 
@@ -175,7 +175,7 @@ class Router:
     def held_back(inst: WalkInstance, e) -> torch.Tensor | None:
         """The rows of a remote stream not sent yet (they go with its end), or None."""
         held = inst.outbox.pop((e.dst, e.name), None)
-        return torch.cat(held[1]) if held and held[1] else None
+        return _joined(held[1]) if held and held[1] else None
 
     def flush_loop_outputs(self, req, inst: WalkInstance, node: str) -> None:
         """Once a loop node ran its last iteration: send its exit values and end its streams."""
@@ -200,3 +200,7 @@ class Router:
         req.persist_sent = {}
         self.links["conductor"].send(frame)
 
+
+
+def _joined(rows: list[torch.Tensor]) -> torch.Tensor:
+    return rows[0] if len(rows) == 1 else torch.cat(rows)

@@ -4,7 +4,6 @@ engine (two CPU processes over gloo) produces the logits and tokens of the TP=1 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from engine_helpers import PAGE_SIZE, tiny_hf_config
 
+from mstar.ports import free_port
 from mstar.services.engines import EngineConfig, KVCacheEngine, LlamaForCausalLM
 from mstar.services.engines.direct import ForwardItem
 from mstar.services.engines.sampling import SamplingParams
@@ -109,18 +109,12 @@ def _rank_main(rank: int, ckpt: str, init: str, out: str) -> None:
     tp.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "biased_ckpt"])
 def test_tp2_engine_matches_tp1(ckpt_name, request, tmp_path):
     ckpt = request.getfixturevalue(ckpt_name)
     out = tmp_path / "rank0.pt"
     ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     procs = [ctx.Process(target=_rank_main, args=(r, str(ckpt), init, str(out))) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -19,11 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from mstar.launcher import free_port
-
-
-def _free_port() -> int:
-    return free_port("127.0.0.1")  # below the ephemeral range: nothing takes it before its service binds it
+from mstar.ports import free_port
 
 
 class LocalCompose:
@@ -34,7 +30,7 @@ class LocalCompose:
         self.port: dict[tuple[str, int], int] = {}  # (service, container port) -> local port
         for name, s in self.services.items():
             for p in [*s.get("expose", []), *(x.split(":")[-1] for x in s.get("ports", []))]:
-                self.port.setdefault((name, int(p)), _free_port())
+                self.port.setdefault((name, int(p)), free_port("127.0.0.1"))
         self.mounts: dict[str, str] = {}  # container path -> local path
         self.work = Path(tempfile.mkdtemp(prefix="mstar-compose-"))
         self.procs: dict[str, subprocess.Popen] = {}
