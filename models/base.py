@@ -184,6 +184,11 @@ class EngineNode(NodeSubmodule):
     def close(self) -> None:
         """The service is stopping (rank 0 releases its followers here)."""
 
+    def exit_reason(self) -> str | None:
+        """Why this node can no longer step (its engine process died), else None. The
+        service stops on it; the conductor then fails the requests it held."""
+        return None
+
 
 @dataclass(frozen=True)
 class NodeContext:

@@ -62,6 +62,10 @@ def main() -> None:
     try:
         asyncio.run(mstar_level(mesh.conductor_address, 4, 64))
         pids = {s.name: s.proc.pid for s in mesh.services}
+        for s in mesh.services:  # engine processes (model_kwargs.engine_process) are the services' children
+            for kid in open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split():
+                if "spawn_main" in open(f"/proc/{kid}/cmdline").read():
+                    pids[f"{s.name}-engine"] = int(kid)
         pids["bench-client"] = os.getpid()
         out = Path(args.out)
 

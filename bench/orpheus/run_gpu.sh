@@ -4,7 +4,8 @@
 # BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""), once per
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>$SUFFIX.json); "profile" also
 # py-spies every process at 64 streams (profile_served.py); "snac" runs snac_bench.py first.
-# "tp" runs bench/engines/tp_bench.py (two GPUs). BENCH_ARGS "skip" runs no bench.
+# "tp" runs bench/engines/tp_bench.py (two GPUs); "steps" engine_steps.py (the engine alone, per
+# sampling variant, batches $STEP_BATCHES). BENCH_ARGS "skip" runs no bench.
 # Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
 set -u -o pipefail
 OUT=${1:?OUTDIR}; ARGS=${2:-}; STAGES=",${3:-},"
@@ -30,6 +31,11 @@ if [[ $STAGES == *",tp,"* ]]; then  # two GPUs: the engine at TP=2 vs TP=1 on th
   stamp tp
   python -c "from pathlib import Path; from bench_orpheus import write_checkpoints as w; r = Path('/tmp/orpheus-ckpt'); (r / 'hubertsiuzdak').exists() or w(r, tiny=False)"
   (cd "$REPO" && timeout 500 python bench/engines/tp_bench.py --ckpt /tmp/orpheus-ckpt/canopylabs/orpheus-3b-0.1-ft --out "$OUT/tp_bench.json" ${TP_BATCHES:+--batches $TP_BATCHES} 2>&1 | grep -v Warning | tail -40)
+fi
+if [[ $STAGES == *",steps,"* ]]; then  # the LLM engine alone: step time per sampling variant (engine_steps.py)
+  stamp steps
+  python engine_steps.py --root /tmp/orpheus-ckpt --out "$OUT/engine_steps${SUFFIX:-}.json" --batches ${STEP_BATCHES:-16,128} 2>&1 | grep -v Warning
+  save_jit
 fi
 [[ $ARGS == skip ]] && PLACEMENTS=none
 for P in ${PLACEMENTS:-split}; do

@@ -25,6 +25,7 @@ from mstar.models.orpheus.tokens import (
     END_OF_SPEECH,
     TOKENS_PER_FRAME,
 )
+from mstar.services.engines.engine_process import EngineProcess
 from mstar.services.engines.kv_engine import EngineConfig, KVCacheEngine
 from mstar.services.engines.llama import LlamaForCausalLM
 from mstar.services.engines.sampling import SamplingParams
@@ -66,19 +67,47 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
     )
 
 
+ENGINE_PROCESS = ("auto", True, False)
+
+
+def use_engine_process(ctx: NodeContext) -> bool:
+    """``model_kwargs.engine_process``: True runs the KV-cache engine in a child process
+    (no GIL shared with the service's event loop); "auto" (default) does so on CUDA without
+    tensor parallelism, where the engine's host work is the bottleneck."""
+    v = ctx.model_kwargs.get("engine_process", "auto")
+    if v not in ENGINE_PROCESS:
+        raise ValueError(f"model_kwargs.engine_process must be true, false or \"auto\", got {v!r}")
+    if v == "auto":
+        return ctx.device.startswith("cuda") and ctx.tp is None
+    if v and ctx.tp is not None:
+        raise ValueError("model_kwargs.engine_process: true is not supported with tp_size > 1 (rank 0's engine leads "
+                         "its followers from the service's process); set it to false or \"auto\"")
+    return bool(v)
+
+
+def build_engine(checkpoint: Path, device: str, config: EngineConfig, tp=None) -> KVCacheEngine:
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=device, tp=tp)
+    return KVCacheEngine(model, config, tp=tp)
+
+
 class OrpheusLLM(EngineNode):
     def __init__(self, checkpoint: Path, ctx: NodeContext):
-        dtype = torch.bfloat16 if ctx.device.startswith("cuda") else torch.float32
-        tp = self.tensor_parallel = TensorParallel(ctx.tp, ctx.device) if ctx.tp is not None else None
-        model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=ctx.device, tp=tp)
-        self.engine = KVCacheEngine(model, engine_config(ctx), tp=tp)
+        config = engine_config(ctx)
+        if use_engine_process(ctx):
+            self.tensor_parallel = None
+            self.engine: KVCacheEngine | EngineProcess = EngineProcess(ctx.node, build_engine, (checkpoint, ctx.device, config))
+        else:
+            tp = self.tensor_parallel = TensorParallel(ctx.tp, ctx.device) if ctx.tp is not None else None
+            self.engine = build_engine(checkpoint, ctx.device, config, tp)
         self.cycle = CODE_CYCLE if ctx.model_kwargs.get("constrain_codes", True) else ()
         self.pending: dict[str, NodeCall] = {}
         self.buffered: dict[str, deque[int]] = {}
         self.finished: set[str] = set()
         self.ready: list[tuple[NodeCall, dict | Exception]] = []
         self.lock = threading.Lock()  # pending / buffered / finished: engine thread and event loop
-        log.info("orpheus llm loaded from %s on %s (%s)", checkpoint, ctx.device, dtype)
+        where = f"engine process pid {self.engine.proc.pid}" if isinstance(self.engine, EngineProcess) else "in process"
+        log.info("orpheus llm loaded from %s on %s (%s)", checkpoint, ctx.device, where)
 
     # -- EngineNode ----------------------------------------------------------------------
     def follow(self) -> None:
@@ -86,6 +115,9 @@ class OrpheusLLM(EngineNode):
 
     def close(self) -> None:
         self.engine.close()
+
+    def exit_reason(self) -> str | None:
+        return self.engine.exit_reason() if isinstance(self.engine, EngineProcess) else None
 
     def submit(self, call: NodeCall) -> None:
         rid = call.request_id
@@ -179,5 +211,7 @@ class OrpheusLLM(EngineNode):
     @property
     def kv_stats(self) -> tuple[int, int]:
         """(pages used, pages free) of the paged KV cache."""
+        if isinstance(self.engine, EngineProcess):
+            return self.engine.pages
         alloc = self.engine.cache.allocator
         return alloc.num_used, alloc.num_free

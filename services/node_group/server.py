@@ -169,6 +169,17 @@ class Followers:
                 p.wait()
 
 
+async def watch_engines(runtime: NodeGroupRuntime, on_exit, interval_s: float = 0.5) -> None:
+    """Call ``on_exit(why)`` once an engine node can no longer step (its process died)."""
+    while True:
+        for node, sub in runtime.engines.items():
+            why = sub.exit_reason()
+            if why:
+                on_exit(f"node '{node}': {why}")
+                return
+        await asyncio.sleep(interval_s)
+
+
 def _die_with_parent() -> None:
     try:
         import ctypes
@@ -229,22 +240,25 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     joining = loop.create_task(join_conductor(args.conductor, args.group, advertised))
     failure: list[str] = []
-    if followers:
-        def rank_exited(why: str) -> None:
-            failure.append(why)
-            stop.set()
 
-        watching = loop.create_task(followers.watch(rank_exited))
+    def lost(why: str) -> None:
+        failure.append(why)
+        stop.set()
+
+    watching = [loop.create_task(watch_engines(runtime, lost))]
+    if followers:
+        watching.append(loop.create_task(followers.watch(lost)))
     await stop.wait()
     log.info("node group '%s' draining", args.group)
     joining.cancel()
     await join_conductor(args.conductor, args.group, advertised, leave=True)
-    if failure:  # rank 0's engine would block on the dead rank: leave at once, the conductor fails its requests
+    if failure:  # an engine that cannot step (or would block on a dead rank): leave at once, the conductor fails its requests
         log.error("node group '%s': %s; stopping", args.group, failure[0])
         os._exit(1)
+    for task in watching:
+        task.cancel()
     await server.stop()
     if followers:
-        watching.cancel()
         await loop.run_in_executor(None, followers.stop)
 
 

@@ -1,0 +1,103 @@
+"""The Orpheus LLM engine alone (no mesh): decode step time with Orpheus' sampling knobs vs
+plain sampling, and how busy the GPU is during steps. Tells served overhead from engine cost.
+
+    python engine_steps.py --root /tmp/orpheus-ckpt --out engine_steps.json [--batches 16,128]
+
+The checkpoint is the random full-size one bench_orpheus.py writes (written if missing).
+Each variant: B requests of a 64-token prompt decode 256 tokens (min_tokens-free: stop ids
+are left out so every row runs the full length); median step over steps where all B decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from bench_orpheus import KNOBS, write_checkpoints
+
+from mstar.models.base import NodeContext
+from mstar.models.orpheus.llm_node import CODE_CYCLE, build_engine, engine_config
+from mstar.services.engines.sampling import SamplingParams
+
+PROMPT, NEW = 64, 256
+ORPHEUS = SamplingParams(temperature=KNOBS["temperature"], top_p=KNOBS["top_p"], repetition_penalty=KNOBS["repetition_penalty"],
+                         max_tokens=NEW, allowed_token_cycle=CODE_CYCLE, seed=1)
+VARIANTS = {
+    "orpheus": ORPHEUS,
+    "orpheus_no_rep_penalty": replace(ORPHEUS, repetition_penalty=1.0),
+    "orpheus_no_top_p": replace(ORPHEUS, top_p=1.0),
+    "orpheus_greedy": replace(ORPHEUS, temperature=0.0),
+    "plain_t1": SamplingParams(temperature=1.0, max_tokens=NEW, seed=1),
+}
+
+
+@torch.inference_mode()
+def run(engine, batch: int, params: SamplingParams, profile: bool) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1000, 100000, (batch, PROMPT), generator=gen).tolist()
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", ids[i], replace(params, seed=i if params.seed is not None else None))
+    times, pipelined0 = [], engine.stats.pipelined_steps
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = None
+    k = 0
+    while engine.has_work:
+        if profile and k == 100:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+            t_prof = time.perf_counter()
+        t0 = time.perf_counter()
+        events = engine.step()
+        times.append((time.perf_counter() - t0, len(events)))
+        if prof is not None and k == 120:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t_prof
+            prof.__exit__(None, None, None)
+            kernel_us = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+            prof = None
+            busy = {"wall_ms_20_steps": 1e3 * wall, "kernel_ms_20_steps": kernel_us / 1e3}
+        for ev in events:
+            if ev.status.finished:
+                engine.release(ev.request_id)
+        k += 1
+    full = [t for t, n in times if n == batch]
+    out = {"batch": batch, "steps": len(times), "full_steps": len(full), "step_ms_p50": 1e3 * statistics.median(full),
+           "tokens_per_s": batch / statistics.median(full), "pipelined_steps": engine.stats.pipelined_steps - pipelined0}
+    if profile:
+        out.update(busy)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="16,128")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks this script, measures nothing")
+    args = ap.parse_args()
+    root = Path(args.root)
+    if not (root / "hubertsiuzdak").exists():
+        write_checkpoints(root, tiny=args.tiny)
+    ckpt = root / "canopylabs" / "orpheus-3b-0.1-ft"
+    dev = "cpu" if args.tiny else "cuda:0"
+    kw = {"gpu_memory_fraction": 0.8, "max_num_seqs": 256, **({"kv_cache_bytes": 64 << 20} if args.tiny else {})}
+    engine = build_engine(ckpt, dev, engine_config(NodeContext("llm", dev, None, kw)))
+    res = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu", "torch": torch.__version__,
+           "prompt": PROMPT, "new_tokens": NEW, "runs": []}
+    run(engine, 8, ORPHEUS, False)  # warm-up
+    for b in [int(x) for x in args.batches.split(",")]:
+        for name, params in VARIANTS.items():
+            r = {"variant": name, **run(engine, b, params, profile=not args.tiny and name in ("orpheus", "plain_t1"))}
+            print(json.dumps(r), flush=True)
+            res["runs"].append(r)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
