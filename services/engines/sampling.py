@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from enum import IntEnum
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from mstar.services.engines.batch import h2d
@@ -52,6 +53,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @cached_property
+    def draw_row(self) -> tuple[float, float, float, float, float]:
+        """(temperature or 1 when greedy, top_p, min_p, top_k, greedy) for the sampler's
+        per-row parameter tensor: built once, not per step."""
+        return (self.temperature if self.temperature > 0 else 1.0, self.top_p, self.min_p, float(self.top_k),
+                float(self.greedy))
 
     def at_output(self, index: int) -> SamplingParams:
         """The parameters that draw output number ``index`` (resolves allowed_token_cycle)."""
@@ -150,6 +158,22 @@ def seeded_uniform(seed: int, counter: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
+_SPLITMIX = tuple(np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0x632BE59BD9B4E019, 0xBF58476D1CE4E5B9,
+                                           0x94D049BB133111EB))
+
+
+def seeded_uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
+    """``seeded_uniform`` of each (seed, counter) pair at once (uint64 arithmetic wraps like
+    the masked Python ints): equal to it bit for bit."""
+    s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
+    c = np.array([x & _MASK64 for x in counters], dtype=np.uint64)
+    c1, c2, c3, c4, c5 = _SPLITMIX
+    z = s * c1 + c * c2 + c3
+    z = (z ^ (z >> np.uint64(30))) * c4
+    z = (z ^ (z >> np.uint64(27))) * c5
+    return ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 class _RangeTable:
     """Every distinct allowed-range set seen so far as a row of token ids on the device
     ([sets, width], padded with -1), so a batch whose rows all have small allowed sets is
@@ -158,8 +182,23 @@ class _RangeTable:
     def __init__(self) -> None:
         self.sets: dict[tuple[tuple[int, int], ...], int] = {}
         self.table: torch.Tensor | None = None
+        # the same range tuples come back every step: look them up by identity (hashing a
+        # tuple of tuples per row per step adds up), keeping each alive so ids are not reused
+        self._by_obj: dict[int, tuple[int, tuple]] = {}
 
     def ids(self, ranges: Sequence[tuple[tuple[int, int], ...]], device: torch.device) -> list[int]:
+        by_obj = self._by_obj
+        if self.table is not None and self.table.device == device:
+            try:
+                return [by_obj[id(r)][0] for r in ranges]
+            except KeyError:
+                pass
+        out = self._ids(ranges, device)
+        for r, i in zip(ranges, out, strict=True):
+            by_obj[id(r)] = (i, r)
+        return out
+
+    def _ids(self, ranges: Sequence[tuple[tuple[int, int], ...]], device: torch.device) -> list[int]:
         new = [r for r in dict.fromkeys(ranges) if r not in self.sets]
         if new or self.table is None or self.table.device != device:
             for r in new:
@@ -266,11 +305,15 @@ class Sampler:
     def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int]) -> torch.Tensor:
         """Temperature, top-k / top-p / min-p, then inverse-CDF draws; greedy rows argmax."""
         dev = x.device
-        u = [seeded_uniform(p.seed, c) if p.seed is not None else self._rng.random()
-             for p, c in zip(params, counters, strict=True)]
-        cols = [[p.temperature if p.temperature > 0 else 1.0 for p in params], [p.top_p for p in params],
-                [p.min_p for p in params], [float(p.top_k) for p in params], [float(p.greedy) for p in params], u]
-        temp, top_p, min_p, top_k, greedy, u = h2d(torch.tensor(cols, dtype=torch.float64), dev).unbind(0)
+        if all(p.seed is not None for p in params):
+            u = seeded_uniforms([p.seed for p in params], counters)
+        else:
+            u = np.array([seeded_uniform(p.seed, c) if p.seed is not None else self._rng.random()
+                          for p, c in zip(params, counters, strict=True)])
+        rows = np.empty((len(params), 6), dtype=np.float64)
+        rows[:, :5] = [p.draw_row for p in params]
+        rows[:, 5] = u
+        temp, top_p, min_p, top_k, greedy, u = h2d(torch.from_numpy(rows.T.copy()), dev).unbind(0)
         greedy_pick = x.argmax(-1)
         sort = any(p.top_k or p.top_p < 1 for p in params)
         use_min_p = min_p.float() if any(p.min_p > 0 for p in params) else None

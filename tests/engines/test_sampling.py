@@ -10,6 +10,7 @@ from mstar.services.engines.sampling import (
     check_stop,
     filtered_probs,
     seeded_uniform,
+    seeded_uniforms,
 )
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # a hand-made distribution
@@ -98,6 +99,17 @@ def test_same_seed_same_tokens_different_seed_differs():
     assert len(set(_draws(1))) > 6  # successive outputs of one seed are not one draw repeated
     u = [seeded_uniform(7, i) for i in range(1000)]
     assert all(0 <= x < 1 for x in u) and abs(sum(u) / len(u) - 0.5) < 0.05
+
+
+def test_batched_seeded_uniforms_equal_the_scalar_ones_bit_for_bit():
+    seeds = [0, 1, 7, 2**31 - 1, 2**63 + 5, 2**64 - 1, 2**70 + 3, -5, 123456789] * 3
+    counters = list(range(len(seeds) - 3)) + [2**40, 2**64 + 1, 10**6]
+    got = seeded_uniforms(seeds, counters).tolist()
+    assert got == [seeded_uniform(s, c) for s, c in zip(seeds, counters, strict=True)]
+    # a batch with one unseeded row takes the scalar path: seeded rows draw the same
+    params = [SamplingParams(seed=3), SamplingParams(seed=None)]
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    assert int(Sampler()(logits, params, counters=[4, 4])[0]) == int(Sampler()(logits[:1], params[:1], counters=[4])[0])
 
 
 def test_allowed_ranges_are_respected():
