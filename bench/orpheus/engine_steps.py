@@ -4,7 +4,8 @@ plain sampling, and how busy the GPU is during steps. Tells served overhead from
     python engine_steps.py --root /tmp/orpheus-ckpt --out engine_steps.json [--batches 16,128]
 
 The checkpoint is the random full-size one bench_orpheus.py writes (written if missing).
-Each variant: B requests of a 64-token prompt decode 256 tokens (min_tokens-free: stop ids
+``first_window_ms_p50``: from adding the B prompts at once to a request's 28th token (the first
+SNAC window), the engine's part of the time to first audio. Each variant: B requests of a 64-token prompt decode 256 tokens (min_tokens-free: stop ids
 are left out so every row runs the full length); median step over steps where all B decode.
 """
 
@@ -25,6 +26,7 @@ from mstar.models.orpheus.llm_node import CODE_CYCLE, build_engine, engine_confi
 from mstar.services.engines.sampling import SamplingParams
 
 PROMPT, NEW = 64, 256
+WINDOW = 28  # tokens in the first SNAC window: the engine's share of the time to first audio
 ORPHEUS = SamplingParams(temperature=KNOBS["temperature"], top_p=KNOBS["top_p"], repetition_penalty=KNOBS["repetition_penalty"],
                          max_tokens=NEW, allowed_token_cycle=CODE_CYCLE, seed=1)
 VARIANTS = {
@@ -40,9 +42,12 @@ VARIANTS = {
 def run(engine, batch: int, params: SamplingParams, profile: bool) -> dict:
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(1000, 100000, (batch, PROMPT), generator=gen).tolist()
+    t_start = time.perf_counter()
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", ids[i], replace(params, seed=i if params.seed is not None else None))
     times, pipelined0 = [], engine.stats.pipelined_steps
+    counts: dict[str, int] = {}
+    window_at: list[float] = []  # per request: when its first SNAC window (28 tokens) was complete
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     prof = None
@@ -63,12 +68,16 @@ def run(engine, batch: int, params: SamplingParams, profile: bool) -> dict:
             prof = None
             busy = {"wall_ms_20_steps": 1e3 * wall, "kernel_ms_20_steps": kernel_us / 1e3}
         for ev in events:
+            counts[ev.request_id] = counts.get(ev.request_id, 0) + 1
+            if counts[ev.request_id] == WINDOW:
+                window_at.append(time.perf_counter() - t_start)
             if ev.status.finished:
                 engine.release(ev.request_id)
         k += 1
     full = [t for t, n in times if n == batch]
     out = {"batch": batch, "steps": len(times), "full_steps": len(full), "step_ms_p50": 1e3 * statistics.median(full),
-           "tokens_per_s": batch / statistics.median(full), "pipelined_steps": engine.stats.pipelined_steps - pipelined0}
+           "tokens_per_s": batch / statistics.median(full), "pipelined_steps": engine.stats.pipelined_steps - pipelined0,
+           "first_window_ms_p50": 1e3 * statistics.median(window_at)}
     if profile:
         out.update(busy)
     return out
@@ -91,7 +100,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu", "torch": torch.__version__,
            "prompt": PROMPT, "new_tokens": NEW, "runs": []}
     run(engine, 8, ORPHEUS, False)  # warm-up
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in [1] + [int(x) for x in args.batches.split(",")]:
         for name, params in VARIANTS.items():
             r = {"variant": name, **run(engine, b, params, profile=not args.tiny and name in ("orpheus", "plain_t1"))}
             print(json.dumps(r), flush=True)
