@@ -86,6 +86,7 @@ class TwoHosts:
         self.stop_all()
         for h in ("a", "b"):
             _ip("netns", "del", self.ns[h], check=False)  # deletes its veth end, and so the pair
+        shutil.rmtree(self.logdir, ignore_errors=True)  # the processes' logs (read through logs() before)
 
     # -- processes -----------------------------------------------------------------------
     def cmd(self, host: str, argv: list[str]) -> list[str]:
@@ -93,8 +94,9 @@ class TwoHosts:
 
     def spawn(self, name: str, host: str, argv: list[str], env: dict | None = None) -> Proc:
         log = self.logdir / f"{name}.log"
-        popen = subprocess.Popen(self.cmd(host, argv), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        with open(log, "wb") as out:  # the child keeps its own descriptor
+            popen = subprocess.Popen(self.cmd(host, argv), stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         proc = Proc(name, host, popen, log)
         self.procs.append(proc)
         return proc
