@@ -31,6 +31,7 @@ ORPHEUS = SamplingParams(temperature=KNOBS["temperature"], top_p=KNOBS["top_p"],
                          max_tokens=NEW, allowed_token_cycle=CODE_CYCLE, seed=1)
 VARIANTS = {
     "orpheus": ORPHEUS,
+    "orpheus_full_head": ORPHEUS,  # logits over the whole vocabulary (no EngineConfig.head_ranges)
     "orpheus_no_rep_penalty": replace(ORPHEUS, repetition_penalty=1.0),
     "orpheus_no_top_p": replace(ORPHEUS, top_p=1.0),
     "orpheus_greedy": replace(ORPHEUS, temperature=0.0),
@@ -102,7 +103,13 @@ def main() -> None:
     run(engine, 8, ORPHEUS, False)  # warm-up
     for b in [1] + [int(x) for x in args.batches.split(",")]:
         for name, params in VARIANTS.items():
-            r = {"variant": name, **run(engine, b, params, profile=not args.tiny and name in ("orpheus", "plain_t1"))}
+            head = engine._head_cols
+            if name == "orpheus_full_head":
+                engine._head_cols = None
+            try:
+                r = {"variant": name, **run(engine, b, params, profile=not args.tiny and name in ("orpheus", "plain_t1"))}
+            finally:
+                engine._head_cols = head
             print(json.dumps(r), flush=True)
             res["runs"].append(r)
     Path(args.out).write_text(json.dumps(res, indent=2))

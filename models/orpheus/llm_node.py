@@ -54,10 +54,24 @@ CODE_CYCLE = tuple(((AUDIO_TOKEN_OFFSET + p * CODES_PER_POSITION, AUDIO_TOKEN_OF
                     (END_OF_SPEECH, END_OF_SPEECH + 1)) for p in range(TOKENS_PER_FRAME))
 
 
+def union_ranges(cycle) -> tuple[tuple[int, int], ...]:
+    """Every id some position of the cycle allows, as ascending disjoint ranges."""
+    out: list[list[int]] = []
+    for a, b in sorted({r for ranges in cycle for r in ranges}):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
 def engine_config(ctx: NodeContext) -> EngineConfig:
     kw = ctx.model_kwargs
     cpu = not ctx.device.startswith("cuda")
     return EngineConfig(
+        # logits only for the SNAC codes and end-of-speech (29k of 157k ids) while sampling is
+        # constrained to them
+        head_ranges=union_ranges(CODE_CYCLE) if kw.get("constrain_codes", True) else (),
         page_size=int(kw.get("page_size", 16)),
         kv_cache_bytes=kw.get("kv_cache_bytes", 256 << 20 if cpu else None),
         gpu_memory_fraction=float(kw.get("gpu_memory_fraction", 0.85)),

@@ -58,6 +58,10 @@ class EngineConfig:
     overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     kernels: str = "auto"  # auto | torch | flashinfer | compile: RMSNorm / RoPE / SiLU·mul (kernels.py)
+    # token ids the engine's requests usually draw from (half-open ranges): a step whose rows all
+    # carry allowed-token ranges inside them computes logits for these ids only (an audio
+    # codebook in a large text vocabulary: the head reads a fraction of its weight)
+    head_ranges: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -114,6 +118,14 @@ class KVCacheEngine:
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
         self.sampler = Sampler()
+        self._head_cols = None  # the head_ranges' ids on the device, in column order
+        if config.head_ranges:
+            vocab = model.config.vocab_size  # type: ignore[attr-defined]
+            hr = config.head_ranges
+            if any(not 0 <= a < b <= vocab for a, b in hr) or any(b1 > a2 for (_, b1), (a2, _) in zip(hr, hr[1:], strict=False)):
+                raise ValueError(f"EngineConfig.head_ranges: {hr} must be ascending, disjoint and in [0, {vocab})")
+            self._head_cols = torch.cat([torch.arange(a, b) for a, b in config.head_ranges]).to(p.device)
+        self._inside_head: dict[int, tuple[bool, tuple]] = {}  # id(allowed ranges) -> (inside?, kept alive)
         self.stats = EngineStats()
         self._inflight: _Launched | None = None
 
@@ -239,12 +251,26 @@ class KVCacheEngine:
             hidden = hidden[: len(rows)]
         else:
             hidden = hidden[h2d(rows, self.device)]
-        tokens = self.sampler(self.model.compute_logits(hidden), params, [s.request_id for s in seqs], index)
+        keys = [s.request_id for s in seqs]
+        if self._head_cols is not None and all(self._in_head(p.allowed_token_ranges) for p in params):
+            logits = self.model.compute_logits(hidden, self.config.head_ranges)
+            tokens = self.sampler(logits, params, keys, index, columns=self._head_cols)
+        else:
+            tokens = self.sampler(self.model.compute_logits(hidden), params, keys, index)
         host, wait = _to_host_async(tokens)
         self.stats.steps += 1
         self.stats.graph_steps += int(self.runner.last_run_replayed)
         self.stats.sampled_tokens += len(sampling)
         return _Launched(out, sampling, tokens, host, wait)
+
+    def _in_head(self, ranges: tuple[tuple[int, int], ...]) -> bool:
+        """Do these allowed ranges (non-empty) lie inside ``head_ranges``? Cached by identity:
+        the same tuples come back every step."""
+        hit = self._inside_head.get(id(ranges))
+        if hit is None:
+            inside = bool(ranges) and all(any(a <= x and y <= b for a, b in self.config.head_ranges) for x, y in ranges)
+            hit = self._inside_head[id(ranges)] = (inside, ranges)
+        return hit[0]
 
     def _launch_next(self, prev: _Launched) -> _Launched | None:
         """Step N+1 from step N's tokens still on the device, or None when it cannot be

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mstar.services.engines.attention import HeadShape
@@ -152,8 +153,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(embeds, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, vocab_ranges: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+        """Logits over the whole vocabulary, or only over ``vocab_ranges`` (half-open id
+        ranges; columns in their order): the head reads only those rows of its weight."""
+        if not vocab_ranges:
+            return self.lm_head(hidden)
+        w = self.lm_head.weight
+        return torch.cat([F.linear(hidden, w[a:b]) for a, b in vocab_ranges], dim=-1)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,

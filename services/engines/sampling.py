@@ -211,6 +211,21 @@ class _RangeTable:
             self.table = table.to(device)
         return [self.sets[r] for r in ranges]
 
+    def positions(self, columns: torch.Tensor) -> torch.Tensor:
+        """The table with each token id replaced by its column in logits computed for the
+        sorted ids ``columns`` only (padding stays -1; every listed id must be a column)."""
+        assert self.table is not None
+        cached = getattr(self, "_positions", None)
+        if cached is not None and cached[0] is columns and cached[1] is self.table:
+            return cached[2]
+        ids = self.table.clamp(min=0)
+        pos = torch.searchsorted(columns, ids)
+        if bool((columns[pos.clamp(max=len(columns) - 1)] != ids)[self.table >= 0].any()):
+            raise ValueError("an allowed token id has no column in the restricted logits")
+        pos = pos.masked_fill(self.table < 0, -1)
+        self._positions = (columns, self.table, pos)
+        return pos
+
 
 class Sampler:
     """Samples a batch of rows with their own parameters, on the logits' device, without
@@ -261,9 +276,12 @@ class Sampler:
 
     # -- sampling ------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 keys: Sequence[str | None] | None = None, counters: Sequence[int] | None = None) -> torch.Tensor:
+                 keys: Sequence[str | None] | None = None, counters: Sequence[int] | None = None,
+                 columns: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, V] -> token ids [B] (int64, on logits' device). ``keys`` name tracked
-        sequences (repetition penalty); ``counters`` are the rows' output indices (seeds)."""
+        sequences (repetition penalty); ``counters`` are the rows' output indices (seeds).
+        ``columns``: the logits cover only these sorted token ids (a restricted head); every
+        row must then carry allowed ranges inside them."""
         n, vocab = logits.shape
         dev = logits.device
         if n == 0:
@@ -271,15 +289,19 @@ class Sampler:
         keys = keys or [None] * n
         counters = counters or [0] * n
         ranges = [p.allowed_token_ranges for p in params]
-        compact = None
+        compact = cols = None
+        if columns is not None and not all(ranges):
+            raise ValueError("restricted logits (columns) need allowed-token ranges on every row")
         if all(ranges):
             set_ids = self._ranges.ids(ranges, dev)
             table = self._ranges.table
             assert table is not None
-            if 2 * table.shape[1] <= vocab:
-                compact = table[h2d(torch.tensor(set_ids), dev)]  # [B, L] token ids, -1 = padding
+            if columns is not None or 2 * table.shape[1] <= vocab:
+                rows = h2d(torch.tensor(set_ids), dev)
+                compact = table[rows]  # [B, L] token ids, -1 = padding
+                cols = compact if columns is None else self._ranges.positions(columns)[rows]
         if compact is not None:
-            x = logits.gather(1, compact.clamp(min=0)).float().masked_fill_(compact < 0, float("-inf"))
+            x = logits.gather(1, cols.clamp(min=0)).float().masked_fill_(compact < 0, float("-inf"))
         else:
             x = logits.clone() if logits.dtype == torch.float32 else logits.float()  # masks write in place
             apply_allowed_ranges(x, ranges)

@@ -182,3 +182,42 @@ def test_add_request_twice_is_refused(tiny_model):
     eng.add_request("a", [1, 2], GREEDY)
     with pytest.raises(ValueError, match="release it first"):
         eng.add_request("a", [1, 2], GREEDY)
+
+
+HEAD_CYCLE = (((0, 20),), ((20, 30), (70, 71)), ((75, 90),))
+HEAD = ((0, 30), (70, 90))  # every id HEAD_CYCLE allows, in two ranges
+
+
+def test_a_restricted_head_draws_what_the_full_head_draws(tiny_model, monkeypatch):
+    """EngineConfig.head_ranges: while every row's allowed ranges lie inside them, logits are
+    computed for those ids only; the tokens are those of the full head (fp32, same seeds)."""
+    def drive(eng, constrained=("a", "b", "c")):
+        for rid in ("a", "b", "c"):
+            cyc = HEAD_CYCLE if rid in constrained else ()
+            eng.add_request(rid, PROMPTS[rid], SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3,
+                                                              seed=7, max_tokens=10, allowed_token_cycle=cyc))
+        out: dict[str, list[int]] = {}
+        while eng.has_work:
+            for e in eng.step():
+                out.setdefault(e.request_id, []).append(e.token_id)
+                if e.status.finished:
+                    eng.release(e.request_id)
+        return out
+
+    full = drive(make_engine(tiny_model))
+    for toks in full.values():
+        assert all(any(a <= t < b for a, b in HEAD_CYCLE[i % 3]) for i, t in enumerate(toks))
+    calls = []
+    real = tiny_model.compute_logits
+    monkeypatch.setattr(tiny_model, "compute_logits", lambda h, ranges=(): calls.append(ranges) or real(h, ranges))
+    eng = make_engine(tiny_model, head_ranges=HEAD)
+    assert drive(eng) == full
+    assert calls and all(r == HEAD for r in calls)  # every step used the restricted head
+    # a row without allowed ranges in the batch: that step computes the full head
+    calls.clear()
+    mixed_full = drive(make_engine(tiny_model), constrained=("a", "c"))
+    eng = make_engine(tiny_model, head_ranges=HEAD)
+    assert drive(eng, constrained=("a", "c")) == mixed_full
+    assert () in calls
+    with pytest.raises(ValueError, match="EngineConfig.head_ranges"):
+        make_engine(tiny_model, head_ranges=((70, 90), (0, 30)))
