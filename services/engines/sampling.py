@@ -115,10 +115,14 @@ def apply_allowed_ranges(logits: torch.Tensor, ranges: Sequence[tuple[tuple[int,
     return logits
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: Sequence[float]) -> torch.Tensor:
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
+                             penalties: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """HF convention: a seen token's positive logit is divided by the penalty, a negative one
-    multiplied. ``seen`` is a [B, V] bool mask; one fused pass over the batch."""
-    pen = h2d(torch.tensor(penalties, dtype=logits.dtype), logits.device)[:, None]
+    multiplied. ``seen`` is a [B, V] bool mask; one fused pass over the batch. ``penalties``:
+    one per row (a list, or a tensor already on the device)."""
+    if not isinstance(penalties, torch.Tensor):
+        penalties = h2d(torch.tensor(penalties), logits.device)
+    pen = penalties.to(logits.dtype)[:, None]
     penalized = torch.where(logits > 0, logits / pen, logits * pen)
     return torch.where(seen, penalized, logits, out=logits)
 
@@ -244,9 +248,11 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._ranges = _RangeTable()
         self._rng = random.Random(seed)
-        self._slots: dict[str, int] = {}  # tracked sequence -> row of _seen (row 0: never seen)
+        self._slots: dict[str, int] = {}  # tracked sequence -> row of _seen
         self._free: list[int] = []
-        self._seen: torch.Tensor | None = None  # [rows, V] bool
+        # [rows, V] bool; row 0: never seen (what untracked rows read), row 1: scratch (where
+        # untracked rows' draws are written, so one scatter covers the batch without a sync)
+        self._seen: torch.Tensor | None = None
 
     # -- repetition-penalty tracking ------------------------------------------------------
     def track(self, key: str, token_ids: Sequence[int], vocab: int, device: torch.device) -> None:
@@ -266,8 +272,8 @@ class Sampler:
 
     def _grow(self, vocab: int, device: torch.device) -> int:
         old = self._seen
-        rows = 1 if old is None else old.shape[0]
-        new = torch.zeros((max(2, 2 * rows), vocab), dtype=torch.bool, device=device)
+        rows = 2 if old is None else old.shape[0]
+        new = torch.zeros((2 * rows, vocab), dtype=torch.bool, device=device)
         if old is not None:
             new[:rows] = old
         self._seen = new
@@ -281,7 +287,8 @@ class Sampler:
         """logits [B, V] -> token ids [B] (int64, on logits' device). ``keys`` name tracked
         sequences (repetition penalty); ``counters`` are the rows' output indices (seeds).
         ``columns``: the logits cover only these sorted token ids (a restricted head); every
-        row must then carry allowed ranges inside them."""
+        row must then carry allowed ranges inside them. Every per-row number goes to the
+        device in one upload."""
         n, vocab = logits.shape
         dev = logits.device
         if n == 0:
@@ -289,57 +296,67 @@ class Sampler:
         keys = keys or [None] * n
         counters = counters or [0] * n
         ranges = [p.allowed_token_ranges for p in params]
-        compact = cols = None
-        if columns is not None and not all(ranges):
+        constrained = all(ranges)
+        if columns is not None and not constrained:
             raise ValueError("restricted logits (columns) need allowed-token ranges on every row")
-        if all(ranges):
-            set_ids = self._ranges.ids(ranges, dev)
+        slots = [self._slots.get(k, 0) if k is not None and p.repetition_penalty != 1 else 0
+                 for k, p in zip(keys, params, strict=True)]
+        penalize = any(slots)
+        greedy = all(p.greedy for p in params)
+        # rows: set id, seen-mask slot, penalty, then (sampling) temperature, top_p, min_p, top_k, greedy, uniform
+        host = np.zeros((9 if not greedy else 3, n), dtype=np.float64)
+        if constrained:
+            host[0] = self._ranges.ids(ranges, dev)
+        if penalize:
+            host[1] = slots
+            host[2] = [p.repetition_penalty for p in params]
+        if not greedy:
+            host[3:8] = np.array([p.draw_row for p in params]).T
+            host[8] = self._uniforms(params, counters)
+        per_row = h2d(torch.from_numpy(host), dev)
+        compact = cols = None
+        if constrained:
             table = self._ranges.table
             assert table is not None
             if columns is not None or 2 * table.shape[1] <= vocab:
-                rows = h2d(torch.tensor(set_ids), dev)
-                compact = table[rows]  # [B, L] token ids, -1 = padding
-                cols = compact if columns is None else self._ranges.positions(columns)[rows]
+                set_idx = per_row[0].long()
+                compact = table[set_idx]  # [B, L] token ids, -1 = padding
+                cols = compact if columns is None else self._ranges.positions(columns)[set_idx]
         if compact is not None:
             x = logits.gather(1, cols.clamp(min=0)).float().masked_fill_(compact < 0, float("-inf"))
         else:
             x = logits.clone() if logits.dtype == torch.float32 else logits.float()  # masks write in place
             apply_allowed_ranges(x, ranges)
-        slots = [self._slots.get(k, 0) if k is not None and p.repetition_penalty != 1 else 0
-                 for k, p in zip(keys, params, strict=True)]
-        if any(slots):
-            seen = self._seen[h2d(torch.tensor(slots), dev)]  # type: ignore[index]
-            if compact is not None:
-                seen = seen.gather(1, compact.clamp(min=0))
-            apply_repetition_penalty(x, seen, [p.repetition_penalty for p in params])
-        if all(p.greedy for p in params):
+        if penalize:
+            assert self._seen is not None
+            slot = per_row[1].long()
+            seen = self._seen[slot] if compact is None else self._seen[slot[:, None], compact.clamp(min=0)]
+            apply_repetition_penalty(x, seen, per_row[2])
+        if greedy:
             pick = x.argmax(-1)
         else:
-            pick = self._draw(x, params, counters)
+            pick = self._draw(x, per_row[3:], sort=any(p.top_k or p.top_p < 1 for p in params),
+                              min_p=any(p.min_p > 0 for p in params))
         tokens = pick if compact is None else compact.gather(1, pick[:, None])[:, 0]
-        if any(slots):  # mark the drawn ids seen (index_fill_: an indexed assignment may sync)
-            assert self._seen is not None
-            rows = [i for i, s in enumerate(slots) if s]
-            sel = h2d(torch.tensor([rows, [slots[i] for i in rows]]), dev)
-            self._seen.view(-1).index_fill_(0, sel[1] * self._seen.shape[1] + tokens[sel[0]], True)
+        if penalize:  # mark the drawn ids seen; untracked rows write into the scratch row
+            self._seen.view(-1).index_fill_(0, torch.where(slot > 0, slot, 1) * self._seen.shape[1] + tokens, True)
         return tokens
 
-    def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int]) -> torch.Tensor:
-        """Temperature, top-k / top-p / min-p, then inverse-CDF draws; greedy rows argmax."""
-        dev = x.device
+    def _uniforms(self, params: Sequence[SamplingParams], counters: Sequence[int]) -> np.ndarray:
         if all(p.seed is not None for p in params):
-            u = seeded_uniforms([p.seed for p in params], counters)
-        else:
-            u = np.array([seeded_uniform(p.seed, c) if p.seed is not None else self._rng.random()
-                          for p, c in zip(params, counters, strict=True)])
-        rows = np.empty((len(params), 6), dtype=np.float64)
-        rows[:, :5] = [p.draw_row for p in params]
-        rows[:, 5] = u
-        temp, top_p, min_p, top_k, greedy, u = h2d(torch.from_numpy(rows.T.copy()), dev).unbind(0)
+            return seeded_uniforms([p.seed for p in params], counters)
+        return np.array([seeded_uniform(p.seed, c) if p.seed is not None else self._rng.random()
+                         for p, c in zip(params, counters, strict=True)])
+
+    @staticmethod
+    def _draw(x: torch.Tensor, rows: torch.Tensor, sort: bool, min_p: bool) -> torch.Tensor:
+        """Temperature, top-k / top-p / min-p, then inverse-CDF draws; greedy rows argmax.
+        ``rows`` [6, B]: temperature, top_p, min_p, top_k, greedy, uniform (float64); ``sort``
+        when a row uses top-k / top-p, ``min_p`` when one uses min-p."""
+        temp, top_p, min_ps, top_k, greedy, u = rows.unbind(0)
         greedy_pick = x.argmax(-1)
-        sort = any(p.top_k or p.top_p < 1 for p in params)
-        use_min_p = min_p.float() if any(p.min_p > 0 for p in params) else None
-        probs, order = filtered_probs(x / temp.float()[:, None], top_k, top_p.float(), use_min_p, sort)
+        probs, order = filtered_probs(x / temp.float()[:, None], top_k, top_p.float(), min_ps.float() if min_p else None,
+                                      sort)
         cdf = probs.double().cumsum(-1)
         target = (u * cdf[:, -1])[:, None]
         pick = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
