@@ -6,6 +6,7 @@ import signal
 import subprocess
 
 import grpc
+import pytest
 
 from mstar.v1 import conductor_pb2 as cpb
 
@@ -55,6 +56,16 @@ async def wait_released(mesh, timeout=5.0, dead=()):
         await asyncio.sleep(0.02)
     held = {g: list(s.runtime.requests) for g, s in mesh.groups.items()}
     raise AssertionError(f"requests still held: conductor={list(mesh.conductor.table.active)} groups={held}")
+
+
+async def cancel_and_drain(mesh, call, request_id: str) -> None:
+    """Cancel a streaming Generate through the conductor's Cancel: the stream must end with an
+    error, and every node group must release the request."""
+    await mesh.stub.Cancel(cpb.CancelRequest(request_id=request_id), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError):
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    await wait_released(mesh)
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:

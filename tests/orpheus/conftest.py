@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random reference `snac.SNAC` on disk, and one demo checkpoint."""
+"""Shared fixtures: a tiny random reference `snac.SNAC` on disk, one demo checkpoint, and the
+model's own random weights (read-only: every mesh test of the session serves them)."""
 
 import json
 from pathlib import Path
@@ -40,3 +41,13 @@ def demo_checkpoint(tmp_path_factory):
     from mstar.models.orpheus.demo_checkpoint import write_demo_checkpoint
 
     return write_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def weights(tmp_path_factory):
+    """A --cache-dir holding the Orpheus LLM and SNAC checkpoints the model writes itself."""
+    from mstar.models.registry import create_model
+
+    d = tmp_path_factory.mktemp("orpheus-weights")
+    assert create_model("orpheus", {}, str(d)).write_random_weights(str(d))
+    return str(d)

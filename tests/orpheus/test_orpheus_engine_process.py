@@ -4,34 +4,23 @@ values named, and a dead engine process takes its service down instead of hangin
 
 import asyncio
 import os
-import signal
-import time
 
-import grpc
 import pytest
 import yaml
-from test_orpheus_tp import PCM_TOL, TEXTS, pcm16, speech
+from test_orpheus_tp import PCM_TOL, TEXTS, kill_child_and_expect_the_service_down, pcm16, speech
 
 from mstar.config import load_config
 from mstar.launcher import LaunchOptions, Mesh
 from mstar.models.base import NodeContext
 from mstar.models.orpheus.llm_node import use_engine_process
-from mstar.models.registry import create_model
 from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
-from helpers import run, wait_released
+from helpers import cancel_and_drain, run, wait_released
 
 CONFIGS = "models/orpheus/configs"
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    d = tmp_path_factory.mktemp("orpheus-weights-ep")
-    assert create_model("orpheus", {}, str(d)).write_random_weights(str(d))
-    return str(d)
 
 
 def config(tmp_path, engine_process) -> str:
@@ -84,11 +73,7 @@ def test_engine_process_speaks_like_the_engine_thread_and_frees_pages(weights, t
                                                               model_kwargs_json='{"max_tokens": 2000}'), timeout=60)
                 await call.read()  # audio is flowing: the request holds pages in the child
                 assert llm.kv_stats[0] > used0
-                await mesh.stub.Cancel(cpb.CancelRequest(request_id="long"), timeout=5)
-                with pytest.raises(grpc.aio.AioRpcError):
-                    while await call.read() is not grpc.aio.EOF:
-                        pass
-                await wait_released(mesh)
+                await cancel_and_drain(mesh, call, "long")
                 assert await settled(llm) == used0  # the releases reached the child and freed its pages
                 assert not llm.engine.has_work and not llm.pending and not llm.buffered
             return got, (child if engine_process else None)
@@ -109,15 +94,6 @@ def test_a_dead_engine_process_stops_its_service(weights, tmp_path):
     mesh.start()
     try:
         assert len(run(speech(mesh.conductor_address, TEXTS[:1]), timeout=120)[0]) == 10 * 2048 * 2
-        llm = next(s for s in mesh.services if s.name == "llm")
-        (child,) = engine_children(llm.proc.pid)
-        os.kill(child, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while llm.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert llm.proc.returncode == 1, "the service kept serving after its engine process died"
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            run(speech(mesh.conductor_address, TEXTS[:1]), timeout=60)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        kill_child_and_expect_the_service_down(mesh, "llm", engine_children)
     finally:
         mesh.stop()

@@ -9,20 +9,12 @@ import grpc
 import pytest
 
 from mstar.config import load_config
-from mstar.models.registry import create_model
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
-from helpers import collect, run, wait_released
+from helpers import cancel_and_drain, collect, run, wait_released
 
 CONFIGS = "models/orpheus/configs"
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    d = tmp_path_factory.mktemp("orpheus-weights")
-    assert create_model("orpheus", {}, str(d)).write_random_weights(str(d))
-    return str(d)
 
 
 def speak(text, request_id="", **kw):
@@ -85,11 +77,7 @@ def test_cancel_frees_kv_pages(weights):
             call = mesh.stub.Generate(speak("A long one.", max_tokens=2000, request_id="long"), timeout=60)
             await call.read()  # audio is flowing: the request holds pages
             assert llm.kv_stats[0] > used0
-            await mesh.stub.Cancel(cpb.CancelRequest(request_id="long"), timeout=5)
-            with pytest.raises(grpc.aio.AioRpcError):
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-            await wait_released(mesh)
+            await cancel_and_drain(mesh, call, "long")
             for _ in range(200):
                 if llm.kv_stats[0] == used0 and not llm.engine.has_work:
                     break

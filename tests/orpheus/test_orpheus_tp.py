@@ -15,7 +15,6 @@ import yaml
 
 from mstar.config import load_config
 from mstar.launcher import LaunchOptions, Mesh
-from mstar.models.registry import create_model
 from mstar.services.links import CHANNEL_OPTIONS
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
@@ -29,13 +28,6 @@ TEXTS = ("Split in two.", "Two halves, one voice.")
 # the other way (one changed token would change a whole frame by far more)
 PCM_TOL = 2
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    d = tmp_path_factory.mktemp("orpheus-weights-tp")
-    assert create_model("orpheus", {}, str(d)).write_random_weights(str(d))
-    return str(d)
 
 
 def config(tmp_path, name: str) -> str:
@@ -87,15 +79,21 @@ def test_tp2_speaks_like_one_rank_and_a_dead_rank_stops_its_service(weights, tmp
         assert got[0] != got[1]
         for g, w in zip(got, want, strict=True):  # same codes; SNAC batched its windows otherwise
             assert int((pcm16(g) - pcm16(w)).abs().max()) <= PCM_TOL
-        llm = next(s for s in mesh.services if s.name == "llm")
-        (follower,) = follower_pids(llm.proc.pid)
-        os.kill(follower, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while llm.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert llm.proc.returncode == 1, "rank 0 kept serving after its follower died"
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            run(speech(mesh.conductor_address, TEXTS[:1]), timeout=60)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        kill_child_and_expect_the_service_down(mesh, "llm", follower_pids)
     finally:
         mesh.stop()
+
+
+def kill_child_and_expect_the_service_down(mesh: Mesh, service: str, children) -> None:
+    """SIGKILL the one child ``children(pid)`` finds under ``service``: the service must exit 1
+    within 15 s, and a new request then fails UNAVAILABLE (not hang)."""
+    svc = next(s for s in mesh.services if s.name == service)
+    (child,) = children(svc.proc.pid)
+    os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while svc.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert svc.proc.returncode == 1, f"'{service}' kept serving after its child {child} died"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        run(speech(mesh.conductor_address, TEXTS[:1]), timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
