@@ -174,7 +174,7 @@ class EngineProcess:
                     self._live.discard(rid)
                 out.append(SeqEvent(rid, token, st))
             return None
-        if kind == "rejected":  # add_request raised in the child: that request alone ends
+        if kind == "rejected":  # add_request raised in the child: that request id alone ends
             _, rid, why = msg
             if rid in self._live:
                 self._live.discard(rid)
@@ -255,6 +255,9 @@ def _command(engine: KVCacheEngine, msg: tuple, events) -> None:
         try:
             engine.add_request(rid, prompt, params, key=key, timeout_s=timeout_s)
         except Exception as e:
+            # the id ends here, whatever it already held (a duplicate id's first sequence
+            # too): no event of it follows the refusal, and none of its pages stay taken
+            engine.release(rid)
             events.send(("rejected", rid, f"{type(e).__name__}: {e}"))
     elif kind == "release":
         engine.release(msg[1])
