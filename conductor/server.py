@@ -71,15 +71,15 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.metrics.started.inc()
         clock = metrics.OutputClock(t0)
         outcome = "CANCELLED"  # the client cancelled or went away, unless set below
+        # one timer for the whole request (not a wait_for task per event): at the deadline the
+        # request fails, which queues the Failure event the loop below ends on
+        deadline = asyncio.get_running_loop().call_later(
+            max(timeout - (time.perf_counter() - t0), 0), self.table.fail, ar, grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"request exceeded its timeout of {timeout:g} s")
         try:
             self.table.start_walk(ar, self.model.next_walk(state, None))
             while True:
-                remaining = timeout - (time.perf_counter() - t0)
-                try:
-                    event = await asyncio.wait_for(ar.events.get(), max(remaining, 0))
-                except TimeoutError:
-                    self.table.fail(ar, grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout of {timeout:g} s")
-                    continue
+                event = await ar.events.get()
                 # everything that queued up while the last message was in flight goes in this one
                 chunks, end = [], None
                 while True:
@@ -115,6 +115,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 outcome = "UNKNOWN"
             raise
         finally:  # success, failure, timeout, cancel or client gone: everything is released
+            deadline.cancel()
             if outcome != "OK":
                 self.metrics.failed(outcome, ar.audio_seconds)
             self.table.release(ar)
