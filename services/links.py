@@ -44,6 +44,7 @@ SERVER_OPTIONS = [  # accept the links' keepalive pings
     ("grpc.http2.max_ping_strikes", 0),
 ]
 MAX_FRAMES_PER_BATCH = 512
+MAX_COALESCE_PASSES = 4  # event-loop passes a message may wait for more frames
 
 OnDown = Callable[["Link", str, set[str]], None]  # (link, reason, request ids)
 
@@ -88,8 +89,14 @@ class Link:
         """Coalesce queued frames into batches and write them until the call ends."""
         while True:
             frame = await queue.get()
-            if queue.empty():
-                await asyncio.sleep(0)  # let the producer finish its step: more frames per message
+            # let the producer finish its step, and keep the message open while other tasks
+            # (other requests) are adding to it: more frames per message, each message costs
+            # ~100 µs of CPU on either side; a lone frame waits one loop pass at most
+            for _ in range(MAX_COALESCE_PASSES):
+                n = queue.qsize()
+                await asyncio.sleep(0)
+                if queue.qsize() == n:
+                    break
             frames = [frame]
             while not queue.empty() and len(frames) < MAX_FRAMES_PER_BATCH:
                 frames.append(queue.get_nowait())
