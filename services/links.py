@@ -63,15 +63,19 @@ class Link:
 
     # -- sending -------------------------------------------------------------------------
     def send(self, frame: node_group_pb2.Frame, tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
-        if self._task is None or self._task.done():
+        task = self._task
+        if task is None or task.done():
             self._start()
-        assert self._tensors is not None
-        for name, t in tensors:
-            msg, t0 = frame.tensors.add(), time.perf_counter()
-            transport = self._tensors.encode_into(msg, name, t)
-            self._edges.sent(name, transport, t.numel() * t.element_size(), time.perf_counter() - t0)
-        if frame.request_id:
-            self._requests.add(frame.request_id)
+        if tensors:
+            sender, edges, clock = self._tensors, self._edges, time.perf_counter
+            assert sender is not None
+            for name, t in tensors:
+                msg, t0 = frame.tensors.add(), clock()
+                transport = sender.encode_into(msg, name, t)
+                edges.sent(name, transport, t.nbytes, clock() - t0)
+        rid = frame.request_id
+        if rid:
+            self._requests.add(rid)
         self._queue.put_nowait(frame)
 
     def forget(self, request_id: str) -> None:

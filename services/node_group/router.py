@@ -101,7 +101,7 @@ class Router:
                 req.persist_sent[target] = req.persist_sent.get(target, 0) + 1
             if target == self.group:
                 if value is not None:
-                    self._local_edges.sent(name, "local", value.numel() * value.element_size(), 0.0)
+                    self._local_edges.sent(name, "local", value.nbytes, 0.0)
                 self.accept(req, inst, dst, name, iteration, value, done)
             else:
                 frame = self._frame(inst, req, K.FRAME_KIND_DATA, node=dst, edge=name, iteration=iteration, done=done)
