@@ -44,7 +44,7 @@ SERVER_OPTIONS = [  # accept the links' keepalive pings
     ("grpc.http2.max_ping_strikes", 0),
 ]
 MAX_FRAMES_PER_BATCH = 512
-MAX_COALESCE_PASSES = 4  # event-loop passes a message may wait for more frames
+MAX_COALESCE_PASSES = 4  # event-loop passes a message may wait for other requests' frames
 
 OnDown = Callable[["Link", str, set[str]], None]  # (link, reason, request ids)
 
@@ -59,6 +59,7 @@ class Link:
         self._task: asyncio.Task | None = None
         self._tensors: LinkSender | None = None
         self._requests: set[str] = set()
+        self._last_request = ""  # of the frame queued last
         self._edges = metrics.EdgeMetrics(sender_name, peer)
 
     # -- sending -------------------------------------------------------------------------
@@ -76,6 +77,7 @@ class Link:
         rid = frame.request_id
         if rid:
             self._requests.add(rid)
+        self._last_request = rid
         self._queue.put_nowait(frame)
 
     def forget(self, request_id: str) -> None:
@@ -93,13 +95,13 @@ class Link:
         """Coalesce queued frames into batches and write them until the call ends."""
         while True:
             frame = await queue.get()
-            # let the producer finish its step, and keep the message open while other tasks
-            # (other requests) are adding to it: more frames per message, each message costs
-            # ~100 µs of CPU on either side; a lone frame waits one loop pass at most
+            # let the producer finish its step; then keep the message open while other
+            # requests are still adding to it (each message costs ~100 µs of CPU on either
+            # side). A lone request's next steps do not hold it: that would delay its frames.
             for _ in range(MAX_COALESCE_PASSES):
                 n = queue.qsize()
                 await asyncio.sleep(0)
-                if queue.qsize() == n:
+                if queue.qsize() == n or self._last_request == frame.request_id:
                     break
             frames = [frame]
             while not queue.empty() and len(frames) < MAX_FRAMES_PER_BATCH:
