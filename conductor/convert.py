@@ -38,10 +38,28 @@ def prompt_from_request(req: cpb.GenerateRequest) -> Prompt:
     return Prompt(req.text, files, kwargs)
 
 
-def output_to_proto(out: Output, index: int, elapsed_s: float) -> cpb.OutputChunk:
-    chunk = cpb.OutputChunk(name=out.name, modality=MODALITY[out.modality.value], text=out.text, data=out.data,
-                            mime_type=out.mime_type, sample_rate_hz=out.sample_rate_hz, index=index,
-                            elapsed_s=elapsed_s, token_ids=out.token_ids)
+def fill_chunk(chunk: cpb.OutputChunk, out: Output, index: int, elapsed_s: float) -> None:
+    """Write ``out`` into ``chunk`` (in place, e.g. a new element of a response's chunks:
+    no message copy); fields at their default stay unset, which proto3 sends the same way."""
+    chunk.name = out.name
+    chunk.modality = MODALITY[out.modality.value]
+    chunk.index = index
+    chunk.elapsed_s = elapsed_s
+    if out.text:
+        chunk.text = out.text
+    if out.data:
+        chunk.data = out.data
+    if out.mime_type:
+        chunk.mime_type = out.mime_type
+    if out.sample_rate_hz:
+        chunk.sample_rate_hz = out.sample_rate_hz
+    if out.token_ids:
+        chunk.token_ids.extend(out.token_ids)
     if out.tensor is not None:
-        chunk.tensor.CopyFrom(wire.to_proto(out.name, out.tensor))
+        wire.fill_proto(chunk.tensor, out.name, out.tensor)
+
+
+def output_to_proto(out: Output, index: int, elapsed_s: float) -> cpb.OutputChunk:
+    chunk = cpb.OutputChunk()
+    fill_chunk(chunk, out, index, elapsed_s)
     return chunk

@@ -13,11 +13,12 @@ import uuid
 import grpc
 
 from mstar import metrics
-from mstar.conductor.convert import invalid_argument_status, output_to_proto, prompt_from_request
+from mstar.conductor.convert import fill_chunk, invalid_argument_status, prompt_from_request
 from mstar.conductor.replicas import NoReplica, Replicas, parse_groups
 from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
 from mstar.config import Placement, load_config
 from mstar.models.base import InvalidArgument
+from mstar.models.graph import Modality
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
@@ -26,6 +27,7 @@ from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
 
 log = logging.getLogger("mstar.conductor")
+_MODALITY_NAMES = {m: m.name.lower() for m in Modality}  # metric labels (Enum.name is a slow property)
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
@@ -71,17 +73,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.metrics.started.inc()
         clock = metrics.OutputClock(t0)
         outcome = "CANCELLED"  # the client cancelled or went away, unless set below
+        # one timer for the whole request (not a wait_for task per event): at the deadline the
+        # request fails, which queues the Failure event the loop below ends on
+        deadline = asyncio.get_running_loop().call_later(
+            max(timeout - (time.perf_counter() - t0), 0), self.table.fail, ar, grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"request exceeded its timeout of {timeout:g} s")
         try:
             self.table.start_walk(ar, self.model.next_walk(state, None))
             while True:
-                remaining = timeout - (time.perf_counter() - t0)
-                try:
-                    event = await asyncio.wait_for(ar.events.get(), max(remaining, 0))
-                except TimeoutError:
-                    self.table.fail(ar, grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout of {timeout:g} s")
-                    continue
+                event = await ar.events.get()
                 # everything that queued up while the last message was in flight goes in this one
-                chunks, end = [], None
+                resp, end = cpb.GenerateResponse(request_id=rid), None
+                chunks = resp.chunks
                 while True:
                     if isinstance(event, Failure | Finished):
                         end = event
@@ -89,32 +92,33 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     index = counts.get(event.name, 0)
                     counts[event.name] = index + 1
                     now = time.perf_counter()
-                    clock.tick(self.metrics, event.modality.name.lower(), now)
-                    chunks.append(output_to_proto(event, index, now - t0))
+                    clock.tick(self.metrics, _MODALITY_NAMES[event.modality], now)
+                    fill_chunk(chunks.add(), event, index, now - t0)
                     if ar.events.empty():
                         break
                     event = ar.events.get_nowait()
                 if isinstance(end, Failure):
                     outcome = end.code.name
                     if chunks:
-                        yield cpb.GenerateResponse(request_id=rid, chunks=chunks)
+                        yield resp
                     await context.abort(end.code, end.message)
                 if isinstance(end, Finished):
                     break
-                yield cpb.GenerateResponse(request_id=rid, chunks=chunks)
+                yield resp
             usage = cpb.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
                               walks=ar.walks_run, audio_seconds=ar.audio_seconds)
             total_s = time.perf_counter() - t0
             timings = cpb.Timings(first_output_s=ar.first_output_s, total_s=total_s, process_prompt_s=process_s)
             outcome = "OK"
             self.metrics.finished(state.finish_reason, total_s, ar.audio_seconds)
-            yield cpb.GenerateResponse(request_id=rid, chunks=chunks, final=cpb.FinalEvent(
-                usage=usage, timings=timings, finish_reason=state.finish_reason))
+            resp.final.CopyFrom(cpb.FinalEvent(usage=usage, timings=timings, finish_reason=state.finish_reason))
+            yield resp
         except Exception:
             if outcome == "CANCELLED":  # not a Failure event: a bug here or in the model's state machine
                 outcome = "UNKNOWN"
             raise
         finally:  # success, failure, timeout, cancel or client gone: everything is released
+            deadline.cancel()
             if outcome != "OK":
                 self.metrics.failed(outcome, ar.audio_seconds)
             self.table.release(ar)

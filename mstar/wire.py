@@ -51,10 +51,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def fill_proto(msg: pb.Tensor, name: str, t: torch.Tensor) -> None:
     """Write ``t`` inline into ``msg`` (in place: no message copy)."""
+    dtype = t.dtype
     msg.name = name
-    msg.datatype = wire_dtype(t.dtype)
+    msg.datatype = _TO_WIRE.get(dtype) or wire_dtype(dtype)
     msg.shape.extend(t.shape)
-    if t.device.type == "cpu" and t.is_contiguous() and t.dtype is not torch.bfloat16 and not t.requires_grad:
+    if t.is_cpu and t.is_contiguous() and dtype is not torch.bfloat16 and not t.requires_grad:
         msg.raw = t.numpy().tobytes()  # the common case, one copy
     else:
         msg.raw = bytes(tensor_bytes(t))
@@ -66,15 +67,24 @@ def to_proto(name: str, t: torch.Tensor) -> pb.Tensor:
     return msg
 
 
+#: below this size a tensor is made over a bytearray copy of its bytes (a few µs); from
+#: this size up, copied into a fresh torch allocation (a resizable tensor, faster copy)
+SMALL_BYTES = 64 * 1024
+
+
 def from_bytes(buf, datatype: str, shape) -> torch.Tensor:
-    dtype = torch_dtype(datatype)
+    dtype = _FROM_WIRE.get(datatype) or torch_dtype(datatype)
     shape = list(shape)
     count = 1
     for s in shape:
         count *= s
     itemsize = _ITEMSIZE[datatype]
-    if len(buf) != count * itemsize:
-        raise WireError(f"tensor of shape {shape} {datatype} needs {count * itemsize} bytes, got {len(buf)}")
+    nbytes = len(buf)
+    if nbytes != count * itemsize:
+        raise WireError(f"tensor of shape {shape} {datatype} needs {count * itemsize} bytes, got {nbytes}")
+    if 0 < nbytes < SMALL_BYTES:  # one copy, into a bytearray the tensor keeps alive
+        out = torch.frombuffer(bytearray(buf), dtype=dtype)
+        return out if len(shape) == 1 else out.view(shape)
     out = torch.empty(shape, dtype=dtype)
     if count:  # one copy, straight into memory the tensor owns
         out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(buf, dtype=np.uint8)

@@ -162,7 +162,7 @@ class LinkSender:
 
     def pick(self, t: torch.Tensor) -> str:
         """Transport for one tensor: inline, shm, mooncake, cuda_ipc or local."""
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         big = nbytes >= MIN_REF_BYTES
         if self.protocol is Protocol.TCP:
             return "inline"
