@@ -6,7 +6,8 @@
 #   gemm     bench/engines/step_profile.py --parts gemm         -> step_profile.json
 #   tests    pytest tests/engines -m gpu                        -> pytest_gpu.txt
 #   profile  bench/engines/step_profile.py --parts forward,accuracy (merged into step_profile.json)
-#   bench    bench/engines/decode_bench.py (baseline runs skipped past BENCH_DEADLINE) -> decode_bench.json
+#   bench    bench/engines/decode_bench.py (baseline runs skipped past BENCH_DEADLINE; HF_ORDER: which,
+#            most wanted first) -> decode_bench.json
 # Packs ~/.cache/flashinfer into OUTDIR/fi-jit-cache.tgz at the end (copy it to .fi/).
 set -u -o pipefail
 OUT=${1:?OUTDIR}; STAGES=",${2:-jit,parity,gemm,tests,profile,bench},"
@@ -40,7 +41,8 @@ if has profile; then
 fi
 if has bench; then
   stamp bench
-  python bench/engines/decode_bench.py --out "$OUT/decode_bench.json" --deadline "${BENCH_DEADLINE:-$(( T0 + 540 ))}"
+  python bench/engines/decode_bench.py --out "$OUT/decode_bench.json" --deadline "${BENCH_DEADLINE:-$(( T0 + 540 ))}" \
+    --hf-order "${HF_ORDER:-16,64,1,8,32}"
 fi
 stamp "pack"
 tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer

@@ -9,6 +9,7 @@ from mstar.services.engines.sampling import (
     apply_repetition_penalty,
     check_stop,
     filtered_probs,
+    row_cumsum,
     seeded_uniform,
     seeded_uniforms,
 )
@@ -48,6 +49,29 @@ def test_draws_follow_the_distribution():
     # top_p = 0.7 leaves {0, 1} renormalised: 0.625 / 0.375
     counts = torch.bincount(Sampler()(rows, [SamplingParams(seed=s, top_p=0.7) for s in range(n)]), minlength=4)
     assert counts[2:].sum() == 0 and abs(counts[0] / n - 0.625) < 0.03
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 4097, 128256])
+def test_blocked_row_cumsum_equals_cumsum(vocab):
+    x = torch.rand(3, vocab, generator=torch.Generator().manual_seed(vocab))
+    want = x.double().cumsum(-1)
+    got = row_cumsum(x, torch.float64)
+    assert got.shape == want.shape and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
+    torch.testing.assert_close(row_cumsum(x), x.cumsum(-1), rtol=1e-5, atol=1e-3)
+
+
+def test_draws_over_a_large_vocabulary_land_where_the_cdf_says():
+    """Each seeded draw over a 128k vocabulary is the token whose CDF interval holds
+    u x total (reference: one float64 cumsum of the same probabilities)."""
+    vocab, n = 128256, 8
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(seed=s) for s in range(n)]
+    got = Sampler()(logits, params, counters=[5] * n)
+    cdf = logits.softmax(-1).double().cumsum(-1)
+    u = torch.tensor([seeded_uniform(s, 5) for s in range(n)], dtype=torch.float64)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    assert got.tolist() == want.tolist()
 
 
 def test_repetition_penalty_follows_hf_convention():
