@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -222,6 +224,10 @@ def main() -> None:
     ap.add_argument("--hf-order", default="16,64,1,8,32", help="baseline batches, most wanted first")
     ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds; skip baseline runs past it")
     ap.add_argument("--kernels", default="auto", help="EngineConfig.kernels: auto | torch | flashinfer | compile")
+    ap.add_argument("--graph-attention", default="auto", help="EngineConfig.graph_attention: auto | flashinfer | triton")
+    ap.add_argument("--compare-graph-attention", default="",
+                    help="also run a second engine with this graph_attention at --compare-batches (same run)")
+    ap.add_argument("--compare-batches", default="1,16,64")
     args = ap.parse_args()
     t_begin = time.time()
     gen = torch.Generator().manual_seed(0)
@@ -247,11 +253,13 @@ def main() -> None:
     r["max_4k_seqs_in_60GiB"] = (60 * GIB) // per_seq_4k
     cfg = EngineConfig(page_size=16, kv_cache_bytes=GIB // 8 if args.tiny else 12 * GIB, max_num_seqs=64,
                        max_num_batched_tokens=8192, attention="torch" if args.tiny else "flashinfer",
-                       cuda_graphs=True, overlap=True, kernels=args.kernels)
+                       cuda_graphs=True, overlap=True, kernels=args.kernels, graph_attention=args.graph_attention)
     t0 = time.time()
     eng = KVCacheEngine(ours, cfg)
     r["engine_init_s"] = time.time() - t0
     r["cuda_graphs"], r["overlap"], r["kernels"] = eng.cuda_graphs, eng.overlap, eng.ops.name
+    graphs = eng.runner.graphs
+    r["graph_attention"] = {str(b): a for b, a in graphs.attention.items()} if graphs else None
     r["sanity_vs_transformers"] = sanity(hf, eng, gen)
     r["graphs_vs_eager"] = graph_consistency(ours, eng, gen)
     print(json.dumps({k: r[k] for k in ("sanity_vs_transformers", "graphs_vs_eager")}), flush=True)
@@ -280,9 +288,27 @@ def main() -> None:
         print("ours_no_overlap", b, json.dumps(r["ours_no_overlap"][str(b)]), flush=True)
     eng.overlap = True
     save()
+    if args.compare_graph_attention:  # the same model and run, decode attention in graphs swapped
+        alt = args.compare_graph_attention
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        eng = KVCacheEngine(ours, dataclasses.replace(cfg, graph_attention=alt))
+        graphs = eng.runner.graphs
+        res = {"graph_attention": {str(b): a for b, a in graphs.attention.items()} if graphs else None}
+        for b in map(int, args.compare_batches.split(",")):
+            res[str(b)] = run_ours(eng, b, args.prompt, args.new, gen)
+            res[str(b)]["ours_default_over_this"] = r["ours"][str(b)]["decode_step_ms_median"] / res[str(b)][
+                "decode_step_ms_median"] if str(b) in r["ours"] else None
+            print("compare", alt, b, json.dumps(res[str(b)]), flush=True)
+        if dev == "cuda":
+            res["device_breakdown"] = [device_breakdown(eng, b, args.prompt + args.new // 2, gen) for b in (1, 16, 64)]
+            print("compare breakdown", json.dumps(res["device_breakdown"]), flush=True)
+        r[f"ours_graph_attention_{alt}"] = res
+        save()
     r["hf_static"] = {}
     longest = 0.0
-    for b in map(int, args.hf_order.split(",")):
+    for b in (int(x) for x in args.hf_order.split(",") if x):
         left = args.deadline - time.time() if args.deadline else float("inf")
         if left < max(60.0, 1.3 * longest):
             r["hf_static"][str(b)] = {"skipped": f"time budget ({left:.0f} s left)"}

@@ -5,9 +5,10 @@
 #   parity   bench/engines/flashinfer_parity.py                 -> flashinfer_parity.json
 #   gemm     bench/engines/step_profile.py --parts gemm         -> step_profile.json
 #   tests    pytest tests/engines -m gpu                        -> pytest_gpu.txt
-#   profile  bench/engines/step_profile.py --parts forward,accuracy (merged into step_profile.json)
+#   profile  bench/engines/step_profile.py --parts forward,accuracy (merged into step_profile.json;
+#            PROFILE_PARTS / PROFILE_VARIANTS override its parts / variants)
 #   bench    bench/engines/decode_bench.py (baseline runs skipped past BENCH_DEADLINE; HF_ORDER: which,
-#            most wanted first) -> decode_bench.json
+#            most wanted first; BENCH_ARGS: more arguments) -> decode_bench.json
 # Packs ~/.cache/flashinfer into OUTDIR/fi-jit-cache.tgz at the end (copy it to .fi/).
 set -u -o pipefail
 OUT=${1:?OUTDIR}; STAGES=",${2:-jit,parity,gemm,tests,profile,bench},"
@@ -37,12 +38,13 @@ if has tests; then
     | tee "$OUT/pytest_gpu.txt" | tail -n 15
 fi
 if has profile; then
-  stamp profile; python bench/engines/step_profile.py --parts forward,accuracy --out "$OUT/step_profile.json"
+  stamp profile; python bench/engines/step_profile.py --parts "${PROFILE_PARTS:-forward,accuracy}" \
+    --out "$OUT/step_profile.json" ${PROFILE_VARIANTS:+--variants "$PROFILE_VARIANTS"}
 fi
 if has bench; then
   stamp bench
   python bench/engines/decode_bench.py --out "$OUT/decode_bench.json" --deadline "${BENCH_DEADLINE:-$(( T0 + 540 ))}" \
-    --hf-order "${HF_ORDER:-16,64,1,8,32}"
+    --hf-order "${HF_ORDER:-16,64,1,8,32}" ${BENCH_ARGS:-}
 fi
 stamp "pack"
 tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer

@@ -215,9 +215,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="torch,flashinfer,compile", help="kernel sets for the accuracy check")
     ap.add_argument("--variants",
-                    default="torch,flashinfer,flashinfer/split,flashinfer/cudacore,flashinfer/rowmajor,compile",
-                    help="kernel set[/option]: split = split-KV decode at every batch, cudacore = FlashInfer's "
-                         "CUDA-core decode kernel, rowmajor = projection weights row-major; else the defaults")
+                    default="torch,flashinfer,flashinfer/fi-graphs,flashinfer/triton,flashinfer/split,"
+                            "flashinfer/cudacore,flashinfer/rowmajor,compile",
+                    help="kernel set[/option]: fi-graphs = FlashInfer decode attention in every graph, triton = "
+                         "the fused Triton kernel in every graph (default: Triton from 16 sequences), split = "
+                         "split-KV decode at every batch, cudacore = FlashInfer's CUDA-core decode kernel, "
+                         "rowmajor = projection weights row-major; else the defaults")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=192)
     ap.add_argument("--parts", default="gemm,forward,accuracy", help="of gemm, forward, accuracy; merged into --out")
@@ -272,8 +275,10 @@ def main() -> None:
         attn_flashinfer.GRAPH_DECODE_NO_SPLIT_FROM = 1 << 30 if opt == "split" else DEFAULT_NO_SPLIT_FROM
         set_weight_layout(model, column_major=opt != "rowmajor")
         t0 = time.time()
+        graph_attention = {"fi-graphs": "flashinfer", "triton": "triton"}.get(opt, "auto")
         eng = KVCacheEngine(model, EngineConfig(page_size=16, kv_cache_bytes=4 * GIB, max_num_seqs=64,
-                                                attention="flashinfer", kernels=kind, graph_batch_sizes=batches))
+                                                attention="flashinfer", kernels=kind, graph_batch_sizes=batches,
+                                                graph_attention=graph_attention))
         init_s = time.time() - t0
         rows = [device_breakdown(eng, b, args.ctx, gen) for b in batches]
         r["forward"][variant] = {"engine_init_s": init_s, "rows": rows}

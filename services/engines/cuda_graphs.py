@@ -25,6 +25,21 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # those <= max_num_seqs are captured
 
 
+#: ``graph_attention="auto"``: graphs of at least this many sequences run decode attention as the
+#: fused Triton kernel (RoPE + K/V store + attention, ``attn_triton.py``) when triton imports;
+#: smaller ones keep FlashInfer, whose split-KV spreads few sequences' long contexts over the GPU.
+TRITON_DECODE_FROM = 16
+GRAPH_ATTENTION = ("auto", "flashinfer", "triton")
+
+
+def triton_unavailable_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton does not import ({e})"
+    return None
+
+
 def graphs_unavailable_reason(device: torch.device, backend_name: str) -> str | None:
     if device.type != "cuda":
         return f"device is {device}, not CUDA"
@@ -42,9 +57,20 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                 copies: int = 2, ops: Ops = TORCH_OPS):
+                 copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto"):
+        """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
+        kernel at every batch size) or 'auto' (Triton from ``TRITON_DECODE_FROM`` sequences)."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
+        if attention not in GRAPH_ATTENTION:
+            raise ValueError(f"graph_attention '{attention}' is not one of {', '.join(GRAPH_ATTENTION)}")
+        no_triton = triton_unavailable_reason() if attention != "flashinfer" else None
+        if attention == "triton" and no_triton:
+            raise RuntimeError(f"graph_attention='triton': {no_triton}")
+        if attention == "auto" and no_triton:
+            log.info("decode graphs use FlashInfer attention only: %s", no_triton)
+        triton_from = (1 << 30 if attention == "flashinfer" or no_triton
+                       else 1 if attention == "triton" else TRITON_DECODE_FROM)
         self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.copies = copies
@@ -56,14 +82,22 @@ class DecodeGraphs:
         pool = None
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its pool
             for copy in range(copies):
-                backend = FlashInferGraphDecode(
-                    model.config.heads, dev, cache.spec.dtype, cache.page_size, bs, cache.allocator.num_pages,
-                    workspace,
-                )
+                if bs >= triton_from:
+                    from mstar.services.engines.attn_triton import TritonGraphDecode
+
+                    backend = TritonGraphDecode(model.config.heads, dev, cache.spec.dtype, cache.page_size, bs,
+                                                cache.allocator.num_pages)
+                else:
+                    backend = FlashInferGraphDecode(
+                        model.config.heads, dev, cache.spec.dtype, cache.page_size, bs, cache.allocator.num_pages,
+                        workspace,
+                    )
                 g = self._capture(bs, backend, pool)
                 pool = g.graph.pool()
                 self._graphs[(bs, copy)] = g
-        log.info("captured decode CUDA graphs for batch sizes %s (x%d)", self.batch_sizes, copies)
+        self.attention = {bs: self._graphs[(bs, 0)].backend.name for bs in self.batch_sizes}
+        log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s", self.batch_sizes, copies,
+                 self.attention)
 
     @torch.inference_mode()
     def _capture(self, bs: int, backend, pool) -> _Graph:

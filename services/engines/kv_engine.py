@@ -25,7 +25,12 @@ import torch
 
 from mstar.services.engines.attention import make_backend
 from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
-from mstar.services.engines.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs, graphs_unavailable_reason
+from mstar.services.engines.cuda_graphs import (
+    DEFAULT_BATCH_SIZES,
+    GRAPH_ATTENTION,
+    DecodeGraphs,
+    graphs_unavailable_reason,
+)
 from mstar.services.engines.direct import ForwardItem, run_direct
 from mstar.services.engines.kernels import make_ops
 from mstar.services.engines.kv_cache import PagedKVCache
@@ -58,10 +63,18 @@ class EngineConfig:
     overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     kernels: str = "auto"  # auto | torch | flashinfer | compile: RMSNorm / RoPE / SiLU·mul (kernels.py)
+    # decode attention inside CUDA graphs: auto (fused Triton RoPE + K/V store + attention from
+    # cuda_graphs.TRITON_DECODE_FROM sequences, FlashInfer below) | flashinfer | triton
+    graph_attention: str = "auto"
     # token ids the engine's requests usually draw from (half-open ranges): a step whose rows all
     # carry allowed-token ranges inside them computes logits for these ids only (an audio
     # codebook in a large text vocabulary: the head reads a fraction of its weight)
     head_ranges: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.graph_attention not in GRAPH_ATTENTION:
+            raise ValueError(f"EngineConfig.graph_attention: '{self.graph_attention}' is not one of "
+                             f"{', '.join(GRAPH_ATTENTION)}")
 
 
 @dataclass
@@ -110,7 +123,7 @@ class KVCacheEngine:
             log.info("CUDA graphs off: %s", why_no_graphs)
         elif config.cuda_graphs:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
-            graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops)
+            graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

@@ -165,10 +165,13 @@ class PagedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv(x)
-        q, k = ctx.ops.rope(self.rope, q, k, positions)
         kv_layer = ctx.kv[self.layer_idx]
-        ctx.ops.store_kv(kv_layer, ctx.slots, k, v)
-        o = ctx.backend.run(q, kv_layer[0], kv_layer[1])
+        if getattr(ctx.backend, "fuses_rope_store", False):  # one kernel: RoPE, K/V store, attention
+            o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, self.rope.cos_sin_cache(q.device))
+        else:
+            q, k = ctx.ops.rope(self.rope, q, k, positions)
+            ctx.ops.store_kv(kv_layer, ctx.slots, k, v)
+            o = ctx.backend.run(q, kv_layer[0], kv_layer[1])
         out = self.o_proj(o.reshape(x.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

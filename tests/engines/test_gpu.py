@@ -53,7 +53,8 @@ def test_flashinfer_matches_torch_reference(causal, q_lens, kv_lens):
     assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
-def test_cuda_graph_decode_matches_eager(tmp_path):
+@pytest.mark.parametrize("graph_attention", ["flashinfer", "triton"])
+def test_cuda_graph_decode_matches_eager(tmp_path, graph_attention):
     from transformers import LlamaForCausalLM as HFLlama
 
     torch.manual_seed(0)
@@ -63,7 +64,8 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     prompts = {f"r{i}": list(range(3 + i, 20 + 5 * i)) for i in range(3)}
     greedy = SamplingParams(temperature=0, max_tokens=12)
     base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, attention="flashinfer")
-    graphs = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=True, overlap=True))
+    graphs = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=True, overlap=True, graph_attention=graph_attention))
+    assert set(graphs.runner.graphs.attention.values()) == {f"{graph_attention}-graph"}
     eager = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=False, overlap=False))
     assert graphs.cuda_graphs and graphs.overlap and graphs.ops.name == eager.ops.name == "flashinfer"
     a, b = graphs.generate(prompts, greedy), eager.generate(prompts, greedy)

@@ -1,0 +1,176 @@
+"""Decode attention for captured CUDA graphs as one Triton kernel that also applies RoPE and
+writes the new token's K/V into the paged cache.
+
+A decode step of a GQA layer otherwise launches three kernels after the qkv GEMM: RoPE on q/k,
+the K/V store, and the attention kernel. At decode sizes each is latency-bound (a few µs of
+launch and ramp for little work), so the fused kernel saves two launches a layer and runs the
+attention itself with one program per (sequence, KV head): the program rotates its KV head's
+new key and its query heads, stores K/V at the token's cache slot, and attends to the cached
+prefix through the page table plus the new token (taken from registers, so no program reads
+back what it just wrote). Used for graph batches of ``TRITON_DECODE_FROM`` sequences or more,
+where batch x KV heads programs fill the GPU without splitting the KV range.
+
+Same page-table layout as FlashInfer (CSR ``indptr`` / ``indices`` / ``last_page_len``, NHD
+pages), same rotation (neox halves, the fp32 cos|sin table of ``RotaryEmbedding``), bf16 or fp16
+caches on the GPU. On a CPU it runs under ``TRITON_INTERPRET=1`` (fp32), which the tests use to
+check it against the torch reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mstar.services.engines.attention import AttentionBatch, HeadShape
+
+#: KV tokens per inner iteration (4 pages of 16).
+BLOCK_N = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, q_stride, kv_stride,  # q [n, Hq, D], k / v [n, Hkv, D]: rows strided, heads dense
+    pos_ptr, slot_ptr, cos_sin_ptr,  # int64 [n], int64 [n], fp32 [positions, D] (cos | sin)
+    k_cache_ptr, v_cache_ptr,  # [pages * page_size, Hkv, D]
+    indptr_ptr, indices_ptr, last_ptr,  # int32 CSR page table
+    out_ptr, qk_scale,  # out [n, Hq, D]; softmax scale x log2(e)
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    BLOCK: tl.constexpr, FUSED: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dtype = k_cache_ptr.dtype.element_ty
+    d = tl.arange(0, D)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    qrow = b * q_stride + (h * G + g)[:, None] * D
+    q = tl.load(q_ptr + qrow + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    first = tl.load(indptr_ptr + b)
+    kv_len = (tl.load(indptr_ptr + b + 1) - first - 1) * PS + tl.load(last_ptr + b)
+    if FUSED:
+        half: tl.constexpr = D // 2
+        pos = tl.load(pos_ptr + b)
+        partner = (d + half) % D
+        cos = tl.load(cos_sin_ptr + pos * D + d % half)
+        sin = tl.load(cos_sin_ptr + pos * D + half + d % half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        q_pair = tl.load(q_ptr + qrow + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q = (q * cos[None, :] + sign[None, :] * q_pair * sin[None, :]).to(dtype).to(tl.float32)
+        k_row = k_ptr + b * kv_stride + h * D
+        k_new = tl.load(k_row + d).to(tl.float32) * cos + sign * tl.load(k_row + partner).to(tl.float32) * sin
+        k_new = k_new.to(dtype)
+        v_new = tl.load(v_ptr + b * kv_stride + h * D + d).to(dtype)
+        dst = (tl.load(slot_ptr + b) * HKV + h) * D + d
+        tl.store(k_cache_ptr + dst, k_new)
+        tl.store(v_cache_ptr + dst, v_new)
+        m = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * qk_scale  # the new token's score
+        l_sum = tl.full([GP], 1.0, tl.float32)
+        acc = tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :]
+        n_cached = kv_len - 1
+    else:
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        n_cached = kv_len
+    qd = q.to(dtype)
+    for t0 in range(0, n_cached, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        tmask = t < n_cached
+        page = tl.load(indices_ptr + first + t // PS, mask=tmask, other=0).to(tl.int64)
+        row = ((page * PS + t % PS) * HKV + h) * D
+        kb = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        vb = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        if dtype == tl.float32:
+            s = tl.dot(qd, tl.trans(kb), input_precision="ieee")
+        else:
+            s = tl.dot(qd, tl.trans(kb))
+        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if dtype == tl.float32:
+            pv = tl.dot(p, vb, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(dtype), vb)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / l_sum[:, None]
+    orow = b * (HKV * G * D) + (h * G + g)[:, None] * D
+    tl.store(out_ptr + orow + d[None, :], out.to(dtype), mask=gmask[:, None])
+
+
+def _check_rows(t: torch.Tensor, heads: int, d: int, what: str) -> None:
+    if t.dim() != 3 or t.shape[1:] != (heads, d) or t.stride()[1:] != (d, 1):
+        raise ValueError(f"{what}: need [n, {heads}, {d}] with dense heads, got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+
+
+class TritonGraphDecode:
+    """Decode attention for one CUDA-graph batch size, RoPE and the K/V store fused in
+    (``run_rope_store``); ``run`` is attention alone over a cache already holding the new K/V.
+    ``plan`` (outside the graph) refills the fixed page-table buffers the graph reads."""
+
+    name = "triton-graph"
+    fuses_rope_store = True
+
+    def __init__(self, heads: HeadShape, device: torch.device, dtype: torch.dtype, page_size: int,
+                 batch_size: int, max_pages: int):
+        if heads.head_dim & (heads.head_dim - 1):
+            raise ValueError(f"head_dim={heads.head_dim} must be a power of two for the Triton decode kernel")
+        self.heads, self.dtype, self.page_size, self._device = heads, dtype, page_size, device
+        i32 = dict(dtype=torch.int32, device=device)
+        self._indptr = torch.zeros(batch_size + 1, **i32)
+        self._indices = torch.zeros(max_pages, **i32)
+        self._last = torch.ones(batch_size, **i32)
+        self._indptr[1:] = torch.arange(1, batch_size + 1, **i32)  # valid before the first plan: page 0, 1 token
+        self._scale = 1.0 / math.sqrt(heads.head_dim) * math.log2(math.e)
+
+    def plan(self, batch: AttentionBatch) -> None:
+        """Non-blocking copies from pinned memory, stream-ordered before the replay."""
+        t = batch.table
+        n = t.kv_indices.shape[0]
+        if t.kv_indptr.shape != self._indptr.shape or n > self._indices.shape[0]:
+            raise ValueError(f"plan for {t.batch_size} sequences / {n} pages, graph holds "
+                             f"{self._indptr.shape[0] - 1} / {self._indices.shape[0]}")
+        pin = self._device.type == "cuda"
+        for dst, src in ((self._indptr, t.kv_indptr), (self._indices[:n], t.kv_indices),
+                         (self._last, t.kv_last_page_len)):
+            dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+
+    def _launch(self, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool) -> torch.Tensor:
+        h = self.heads
+        d = h.head_dim
+        _check_rows(q, h.num_qo_heads, d, "q")
+        n = q.shape[0]
+        if n != self._last.shape[0]:
+            raise ValueError(f"{n} query rows, graph batch is {self._last.shape[0]}")
+        k_cache, v_cache = kv_layer[0], kv_layer[1]
+        out = torch.empty((n, h.num_qo_heads, d), dtype=k_cache.dtype, device=q.device)
+        gp = max(16, triton.next_power_of_2(h.group))
+        _decode_kernel[(n, h.num_kv_heads)](
+            q, k, v, q.stride(0), k.stride(0), positions, slots, cos_sin, k_cache, v_cache,
+            self._indptr, self._indices, self._last, out, self._scale,
+            HKV=h.num_kv_heads, G=h.group, GP=gp, D=d, PS=self.page_size, BLOCK=BLOCK_N, FUSED=fused,
+            num_warps=4,
+        )
+        return out
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        unused = self._last  # the fused path's k / v / positions / slots / table arguments
+        return self._launch(q, q, q, unused, unused, (k_cache, v_cache), unused, fused=False)
+
+    def run_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Un-rotated q [n, Hq, D], k / v [n, Hkv, D] (views of the qkv GEMM's output), RoPE
+        ``positions`` and cache ``slots`` [n] int64 -> attention output [n, Hq, D]; K/V land in
+        ``kv_layer`` ([k|v, page, slot, Hkv, D]) at ``slots``."""
+        h = self.heads
+        _check_rows(k, h.num_kv_heads, h.head_dim, "k")
+        _check_rows(v, h.num_kv_heads, h.head_dim, "v")
+        if k.stride(0) != v.stride(0) or k.dtype != kv_layer.dtype:
+            raise ValueError("k and v must share a row stride and the cache's dtype")
+        return self._launch(q, k, v, positions, slots, kv_layer, cos_sin, fused=True)

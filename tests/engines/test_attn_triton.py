@@ -1,0 +1,102 @@
+"""The fused Triton decode kernel (RoPE + K/V store + paged GQA attention) against the torch
+reference: on a CPU through Triton's interpreter in fp32 (atol 1e-4), on a GPU in bf16 (in
+test_gpu.py's style: relative error 1e-2)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels in numpy
+pytest.importorskip("triton", reason="the Triton decode kernel needs the triton package (pip install triton)")
+
+from mstar.services.engines.attention import AttentionBatch, HeadShape, TorchPagedAttention  # noqa: E402
+from mstar.services.engines.attn_triton import TritonGraphDecode  # noqa: E402
+from mstar.services.engines.kernels import _store_kv_ref, rope_ref  # noqa: E402
+from mstar.services.engines.layers import RotaryEmbedding  # noqa: E402
+from mstar.services.engines.pages import build_csr  # noqa: E402
+
+PS = 4
+
+
+def _case(kv_lens, heads: HeadShape, device, dtype, seed=0):
+    """A cache of scattered pages, a decode batch whose new tokens are the last of each
+    sequence (lengths ``kv_lens``, new token included), and the qkv GEMM's output rows."""
+    g = torch.Generator().manual_seed(seed)
+    d, n = heads.head_dim, len(kv_lens)
+    num_pages = 2 + sum(-(-n_ // PS) for n_ in kv_lens) + 3
+    kv = torch.randn(2, num_pages, PS, heads.num_kv_heads, d, generator=g).to(device, dtype)
+    free = torch.randperm(num_pages - 1, generator=g)[: num_pages - 1].tolist()
+    free = [p + 1 for p in free]  # page 0 is scratch
+    lists = []
+    for n_ in kv_lens:
+        k = -(-n_ // PS)
+        lists.append(tuple(free[:k]))
+        free = free[k:]
+    table = build_csr(lists, kv_lens, PS)
+    slots = torch.tensor([lst[(n_ - 1) // PS] * PS + (n_ - 1) % PS for lst, n_ in zip(lists, kv_lens, strict=True)])
+    qo = torch.arange(n + 1, dtype=torch.int32)
+    batch = AttentionBatch(qo, table, slots)
+    width = (heads.num_qo_heads + 2 * heads.num_kv_heads) * d
+    qkv = torch.randn(n, width, generator=g).to(device, dtype)
+    qs, ks = heads.num_qo_heads * d, heads.num_kv_heads * d
+    q, k, v = qkv.split([qs, ks, ks], dim=-1)
+    q = q.view(n, heads.num_qo_heads, d)
+    k, v = k.view(n, heads.num_kv_heads, d), v.view(n, heads.num_kv_heads, d)
+    positions = torch.tensor([n_ - 1 for n_ in kv_lens]) + 5  # RoPE positions need not equal cache offsets
+    return kv, batch, q, k, v, positions.to(device), slots.to(device)
+
+
+def _reference(kv, batch, q, k, v, positions, slots, rope, heads):
+    kv = kv.clone()
+    qr, kr = rope_ref(rope.inv_freq.to(q.device), q.float(), k.float(), positions)
+    _store_kv_ref(kv, slots, kr.to(kv.dtype), v)
+    ref = TorchPagedAttention(heads, q.device)
+    ref.plan(batch)
+    return ref.run(qr.to(kv.dtype).float(), kv[0].float(), kv[1].float()), kv
+
+
+@pytest.mark.parametrize("heads", [HeadShape(6, 2, 16), HeadShape(4, 4, 32)])
+def test_fused_decode_matches_rope_store_then_reference_attention(heads):
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test; the GPU test below covers CUDA")
+    kv_lens = [1, 3, PS, PS + 1, 3 * PS + 2, 70]  # one token, inside a page, page edges, > BLOCK_N
+    kv, batch, q, k, v, positions, slots = _case(kv_lens, heads, "cpu", torch.float32)
+    rope = RotaryEmbedding(heads.head_dim, 10000.0, max_positions=128)
+    want, want_kv = _reference(kv, batch, q, k, v, positions, slots, rope, heads)
+    dec = TritonGraphDecode(heads, torch.device("cpu"), torch.float32, PS, len(kv_lens), kv.shape[1])
+    dec.plan(batch)
+    got_kv = kv.clone()
+    got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cpu")))
+    torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=1e-5)  # K rotated, V as is, at the slots
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # attention alone over the cache that now holds the new tokens gives the same result
+    qr, _ = rope_ref(rope.inv_freq, q, k, positions)
+    torch.testing.assert_close(dec.run(qr.contiguous(), got_kv[0], got_kv[1]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_plan_refuses_a_batch_the_graph_does_not_hold():
+    heads = HeadShape(4, 2, 16)
+    dec = TritonGraphDecode(heads, torch.device("cpu"), torch.float32, PS, 2, 4)
+    _, batch, *_ = _case([3, 5, 2], heads, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="graph holds 2 / 4"):
+        dec.plan(batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_decode_on_gpu_matches_the_reference_in_bf16():
+    heads = HeadShape(24, 8, 128)
+    kv_lens = [1, 17, 192, 200, 513, 64, 65, 1000] * 2
+    kv, batch, q, k, v, positions, slots = _case(kv_lens, heads, "cuda", torch.bfloat16)
+    rope = RotaryEmbedding(heads.head_dim, 500000.0, max_positions=4096)
+    want, want_kv = _reference(kv, batch, q, k, v, positions, slots, rope, heads)
+    dec = TritonGraphDecode(heads, torch.device("cuda"), torch.bfloat16, PS, len(kv_lens), kv.shape[1])
+    dec.plan(batch)
+    got_kv = kv.clone()
+    got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cuda")))
+    torch.cuda.synchronize()
+    assert (got_kv.float() - want_kv.float()).abs().max() <= 2e-2  # one bf16 rounding of the rotated K
+    err = (got.float() - want).norm() / want.norm()
+    assert err <= 1e-2, err
