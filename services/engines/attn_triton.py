@@ -26,8 +26,11 @@ import triton.language as tl
 
 from mstar.services.engines.attention import AttentionBatch, HeadShape
 
-#: KV tokens per inner iteration (4 pages of 16).
+#: Launch configuration: KV tokens per inner iteration, warps per program, software-pipeline
+#: stages of the KV loop (None: Triton's default). Instances copy them (benchmarks override).
 BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES: int | None = None
 
 
 @triton.jit
@@ -128,6 +131,7 @@ class TritonGraphDecode:
         self._last = torch.ones(batch_size, **i32)
         self._indptr[1:] = torch.arange(1, batch_size + 1, **i32)  # valid before the first plan: page 0, 1 token
         self._scale = 1.0 / math.sqrt(heads.head_dim) * math.log2(math.e)
+        self.block_n, self.num_warps, self.num_stages = BLOCK_N, NUM_WARPS, NUM_STAGES
 
     def plan(self, batch: AttentionBatch) -> None:
         """Non-blocking copies from pinned memory, stream-ordered before the replay."""
@@ -154,8 +158,8 @@ class TritonGraphDecode:
         _decode_kernel[(n, h.num_kv_heads)](
             q, k, v, q.stride(0), k.stride(0), positions, slots, cos_sin, k_cache, v_cache,
             self._indptr, self._indices, self._last, out, self._scale,
-            HKV=h.num_kv_heads, G=h.group, GP=gp, D=d, PS=self.page_size, BLOCK=BLOCK_N, FUSED=fused,
-            num_warps=4,
+            HKV=h.num_kv_heads, G=h.group, GP=gp, D=d, PS=self.page_size, BLOCK=self.block_n, FUSED=fused,
+            num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )
         return out
 
