@@ -92,7 +92,9 @@ def run_case(bs: int, ctx: int, configs: list[str], rope, cos_sin, ops, gen) -> 
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
             row[f"triton_{cfg}_us"] = None
             row[f"triton_{cfg}_error"] = repr(e)[:300]
-    tri.block_n, tri.num_warps, tri.num_stages = attn_triton.BLOCK_N, attn_triton.NUM_WARPS, attn_triton.NUM_STAGES
+    default = attn_triton.TritonGraphDecode(h, dev, dt, PS, bs, num_pages)
+    tri.block_n, tri.num_warps, tri.num_stages = default.block_n, default.num_warps, default.num_stages
+    row["triton_default"] = f"{tri.block_n}x{tri.num_warps}x{tri.num_stages or 0}"
 
     def tri_attn_only():  # the kernel without RoPE and the store (its prologue's share)
         for lay, (q, _, _) in enumerate(views):

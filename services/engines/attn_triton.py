@@ -26,9 +26,12 @@ import triton.language as tl
 
 from mstar.services.engines.attention import AttentionBatch, HeadShape
 
-#: Launch configuration: KV tokens per inner iteration, warps per program, software-pipeline
-#: stages of the KV loop (None: Triton's default). Instances copy them (benchmarks override).
-BLOCK_N = 64
+#: Launch configuration: KV tokens per inner iteration (``BLOCK_N_FEW`` for graphs of fewer than
+#: ``MANY_SEQS`` sequences), warps per program, software-pipeline stages of the KV loop (None:
+#: Triton's default). Instances copy them; benchmarks override. On an H100 at 24/8 heads
+#: (bench/results/engines/decode_attn.json) 128-token blocks beat 64 at 16 sequences (31.9 vs
+#: 35.9 µs a layer at 1k context, 103 vs 124 at 4k) and lose at 64 (27.2 vs 23.2 at 192).
+BLOCK_N, BLOCK_N_FEW, MANY_SEQS = 64, 128, 32
 NUM_WARPS = 4
 NUM_STAGES: int | None = None
 
@@ -131,7 +134,8 @@ class TritonGraphDecode:
         self._last = torch.ones(batch_size, **i32)
         self._indptr[1:] = torch.arange(1, batch_size + 1, **i32)  # valid before the first plan: page 0, 1 token
         self._scale = 1.0 / math.sqrt(heads.head_dim) * math.log2(math.e)
-        self.block_n, self.num_warps, self.num_stages = BLOCK_N, NUM_WARPS, NUM_STAGES
+        self.block_n = BLOCK_N_FEW if batch_size < MANY_SEQS else BLOCK_N
+        self.num_warps, self.num_stages = NUM_WARPS, NUM_STAGES
 
     def plan(self, batch: AttentionBatch) -> None:
         """Non-blocking copies from pinned memory, stream-ordered before the replay."""

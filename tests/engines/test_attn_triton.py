@@ -57,8 +57,9 @@ def _reference(kv, batch, q, k, v, positions, slots, rope, heads):
     return ref.run(qr.to(kv.dtype).float(), kv[0].float(), kv[1].float()), kv
 
 
+@pytest.mark.parametrize("block_n", [16, 128])  # several KV blocks per sequence; one
 @pytest.mark.parametrize("heads", [HeadShape(6, 2, 16), HeadShape(4, 4, 32)])
-def test_fused_decode_matches_rope_store_then_reference_attention(heads):
+def test_fused_decode_matches_rope_store_then_reference_attention(heads, block_n):
     if torch.cuda.is_available():
         pytest.skip("CPU interpreter test; the GPU test below covers CUDA")
     kv_lens = [1, 3, PS, PS + 1, 3 * PS + 2, 70]  # one token, inside a page, page edges, > BLOCK_N
@@ -66,6 +67,7 @@ def test_fused_decode_matches_rope_store_then_reference_attention(heads):
     rope = RotaryEmbedding(heads.head_dim, 10000.0, max_positions=128)
     want, want_kv = _reference(kv, batch, q, k, v, positions, slots, rope, heads)
     dec = TritonGraphDecode(heads, torch.device("cpu"), torch.float32, PS, len(kv_lens), kv.shape[1])
+    dec.block_n = block_n
     dec.plan(batch)
     got_kv = kv.clone()
     got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cpu")))
