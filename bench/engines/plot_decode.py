@@ -34,7 +34,7 @@ def main(src: str, dst: str, before: str | None = None) -> None:
         old = json.load(open(before))["ours"]
         ob = sorted(int(b) for b in old)
         a.plot(ob, [old[str(b)]["decode_step_ms_median"] for b in ob], "x:", color="grey",
-               label="ours, previous run (unfused)")
+               label="ours, previous record (its own run)")
     a.set_xscale("log", base=2)
     a.set_xlabel("batch size")
     a.set_ylabel("decode step, ms (median)")
