@@ -1,7 +1,10 @@
-"""Decode-size projections of the Llama-3.2-3B shape: the Triton skinny GEMM
-(``gemm_triton.py``) under launch configurations vs cuBLAS through F.linear (weights
-column-major as the engine stores them, and row-major). 28 weight copies per shape, one per
-layer, in one CUDA graph (so L2 does not hold a weight across calls); µs per GEMM, medians.
+"""Decode-size projections of the Llama-3.2-3B shape: a Triton skinny GEMM (below; each program
+owns BLOCK_N output columns, reads its rows of w as contiguous BLOCK_K runs, and with SPLIT_K > 1
+adds its K slice's partial sums atomically into an fp32 output) under launch configurations vs
+cuBLAS through F.linear (weights column-major as the engine stores them, and row-major). 28
+weight copies per shape, one per layer, in one CUDA graph (so L2 does not hold a weight across
+calls); µs per GEMM, medians. A measurement only: the engine keeps cuBLAS (results in
+bench/results/engines/README.md).
 
     python bench/engines/skinny_gemm_bench.py --out skinny_gemm.json
 """
@@ -16,8 +19,52 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from mstar.services.engines.gemm_triton import skinny_linear
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k0 = pid_k * k_per
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    for k in range(k0, tl.minimum(k0 + k_per, K), BLOCK_K):
+        kk = k + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256, split_k: int = 1,
+                  num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] (rows dense), w [N, K] row-major -> x @ w.T [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"need x [M, {k}] and w [N, {k}] with unit inner strides, got {tuple(x.shape)} / "
+                         f"{tuple(w.shape)} strides {x.stride()} / {w.stride()}")
+    bm = max(16, triton.next_power_of_2(m))
+    y = (torch.empty if split_k == 1 else torch.zeros)((m, n), device=x.device,
+                                                        dtype=x.dtype if split_k == 1 else torch.float32)
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+    return y if split_k == 1 else y.to(x.dtype)
+
 
 SHAPES = {"qkv": (5120, 3072), "o_proj": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}
 LAYERS = 28
@@ -52,13 +99,16 @@ def main() -> None:
     ap.add_argument("--block-k", default="256,512")
     ap.add_argument("--split-k", default="1,2,4")
     ap.add_argument("--stages", default="4")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     r = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": []}
     t0 = time.time()
     configs = list(itertools.product(*(map(int, getattr(args, a).split(",")) for a in
-                                       ("block_n", "block_k", "split_k", "stages"))))
-    for name, (n, k) in SHAPES.items():
+                                       ("block_n", "block_k", "split_k", "stages", "warps"))))
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
         wcm = [w.t().contiguous().t() for w in ws]  # column-major, as set_weight_layout stores them on CUDA
         for m in map(int, args.ms.split(",")):
@@ -68,12 +118,12 @@ def main() -> None:
                    "cublas_colmajor_us": graph_us(lambda: [F.linear(x, w) for w in wcm]),  # noqa: B023
                    "cublas_rowmajor_us": graph_us(lambda: [F.linear(x, w) for w in ws])}  # noqa: B023
             best = None
-            for bn, bk, sk, st in configs:
-                key = f"{bn}x{bk}x{sk}x{st}"
+            for bn, bk, sk, st, nw in configs:
+                key = f"{bn}x{bk}x{sk}x{st}x{nw}"
                 try:
-                    out = skinny_linear(x, ws[0], bn, bk, sk, num_stages=st).float()
+                    out = skinny_linear(x, ws[0], bn, bk, sk, nw, st).float()
                     err = ((out - ref).norm() / ref.norm()).item()
-                    us = graph_us(lambda: [skinny_linear(x, w, bn, bk, sk, num_stages=st) for w in ws])  # noqa: B023
+                    us = graph_us(lambda: [skinny_linear(x, w, bn, bk, sk, nw, st) for w in ws])  # noqa: B023
                 except Exception as e:  # a configuration that does not compile
                     row[f"triton_{key}_error"] = repr(e)[:200]
                     continue
