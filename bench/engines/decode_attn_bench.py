@@ -80,8 +80,9 @@ def run_case(bs: int, ctx: int, configs: list[str], rope, cos_sin, ops, gen) -> 
     tri = attn_triton.TritonGraphDecode(h, dev, dt, PS, bs, num_pages)
     tri.plan(batch)
     for cfg in configs:
-        bn, nw, ns = map(int, cfg.split("x"))
+        bn, nw, ns, *sp = map(int, cfg.split("x"))
         tri.block_n, tri.num_warps, tri.num_stages = bn, nw, ns or None
+        tri.set_splits(sp[0] if sp else 1)
 
         def tri_step():
             for lay, (q, k, v) in enumerate(views):
@@ -94,7 +95,8 @@ def run_case(bs: int, ctx: int, configs: list[str], rope, cos_sin, ops, gen) -> 
             row[f"triton_{cfg}_error"] = repr(e)[:300]
     default = attn_triton.TritonGraphDecode(h, dev, dt, PS, bs, num_pages)
     tri.block_n, tri.num_warps, tri.num_stages = default.block_n, default.num_warps, default.num_stages
-    row["triton_default"] = f"{tri.block_n}x{tri.num_warps}x{tri.num_stages or 0}"
+    tri.set_splits(default.splits)
+    row["triton_default"] = f"{tri.block_n}x{tri.num_warps}x{tri.num_stages or 0}x{tri.splits}"
 
     def tri_attn_only():  # the kernel without RoPE and the store (its prologue's share)
         for lay, (q, _, _) in enumerate(views):
@@ -111,9 +113,10 @@ def run_case(bs: int, ctx: int, configs: list[str], rope, cos_sin, ops, gen) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="1x192,16x192,64x192,1x1024,16x1024,64x1024,1x4096,16x4096")
+    ap.add_argument("--cases", default="1x192,4x192,8x192,16x192,32x192,64x192,1x1024,8x1024,16x1024,64x1024,"
+                                       "1x4096,4x4096,16x4096")
     ap.add_argument("--configs", default="64x4x0,32x4x0,128x4x0,128x8x0,256x8x0,64x4x1,64x4x2,64x4x3,128x8x2,64x2x0",
-                    help="BLOCK_N x num_warps x num_stages (0: Triton's default)")
+                    help="BLOCK_N x num_warps x num_stages (0: Triton's default) [x KV splits, default 1]")
     args = ap.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
     rope = RotaryEmbedding(HEADS.head_dim, 500000.0, max_positions=8192)

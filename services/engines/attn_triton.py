@@ -34,6 +34,9 @@ from mstar.services.engines.attention import AttentionBatch, HeadShape
 BLOCK_N, BLOCK_N_FEW, MANY_SEQS = 64, 128, 32
 NUM_WARPS = 4
 NUM_STAGES: int | None = None
+#: Split-KV: programs wanted per launch (about two per SM of an H100) and the most splits per
+#: (sequence, KV head); the last split to finish merges the partial results in the same launch.
+TARGET_PROGRAMS, MAX_SPLITS = 264, 16
 
 
 @triton.jit
@@ -43,11 +46,14 @@ def _decode_kernel(
     k_cache_ptr, v_cache_ptr,  # [pages * page_size, Hkv, D]
     indptr_ptr, indices_ptr, last_ptr,  # int32 CSR page table
     out_ptr, qk_scale,  # out [n, Hq, D]; softmax scale x log2(e)
+    part_ptr, ml_ptr, count_ptr,  # split-KV: fp32 [n, Hkv, S, GP, D] partial outputs, [n, Hkv, S, 2, GP] max / sum;
+    # int32 [n, Hkv] finished splits (zero between launches: the last split resets it)
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    BLOCK: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
     d = tl.arange(0, D)
     g = tl.arange(0, GP)
@@ -70,11 +76,13 @@ def _decode_kernel(
         k_new = k_new.to(dtype)
         v_new = tl.load(v_ptr + b * kv_stride + h * D + d).to(dtype)
         dst = (tl.load(slot_ptr + b) * HKV + h) * D + d
-        tl.store(k_cache_ptr + dst, k_new)
-        tl.store(v_cache_ptr + dst, v_new)
-        m = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * qk_scale  # the new token's score
-        l_sum = tl.full([GP], 1.0, tl.float32)
-        acc = tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :]
+        mine = d < tl.where(split == 0, D, 0)  # split 0 stores the new K/V and counts the new token
+        tl.store(k_cache_ptr + dst, k_new, mask=mine)
+        tl.store(v_cache_ptr + dst, v_new, mask=mine)
+        first_split = split == 0
+        m = tl.where(first_split, tl.sum(q * k_new.to(tl.float32)[None, :], 1) * qk_scale, float("-inf"))
+        l_sum = tl.where(first_split, tl.full([GP], 1.0, tl.float32), 0.0)
+        acc = tl.where(first_split, tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :], 0.0)
         n_cached = kv_len - 1
     else:
         m = tl.full([GP], float("-inf"), tl.float32)
@@ -82,9 +90,12 @@ def _decode_kernel(
         acc = tl.zeros([GP, D], tl.float32)
         n_cached = kv_len
     qd = q.to(dtype)
-    for t0 in range(0, n_cached, BLOCK):
+    chunk = tl.cdiv(n_cached, SPLITS)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_cached)
+    for t0 in range(lo, hi, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
-        tmask = t < n_cached
+        tmask = t < hi
         page = tl.load(indices_ptr + first + t // PS, mask=tmask, other=0).to(tl.int64)
         row = ((page * PS + t % PS) * HKV + h) * D
         kb = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
@@ -104,9 +115,44 @@ def _decode_kernel(
             pv = tl.dot(p.to(dtype), vb)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    out = acc / l_sum[:, None]
     orow = b * (HKV * G * D) + (h * G + g)[:, None] * D
-    tl.store(out_ptr + orow + d[None, :], out.to(dtype), mask=gmask[:, None])
+    if SPLITS == 1:
+        tl.store(out_ptr + orow + d[None, :], (acc / l_sum[:, None]).to(dtype), mask=gmask[:, None])
+    else:
+        # Publish this split's partial result; the last split of (b, h) to finish merges them all.
+        pair = b * HKV + h
+        mine_at = pair * SPLITS + split
+        tl.store(part_ptr + (mine_at * GP + g[:, None]) * D + d[None, :], acc)
+        tl.store(ml_ptr + mine_at * 2 * GP + g, m)
+        tl.store(ml_ptr + mine_at * 2 * GP + GP + g, l_sum)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            m_all = tl.full([GP], float("-inf"), tl.float32)
+            for i in tl.static_range(SPLITS):
+                m_all = tl.maximum(m_all, tl.load(ml_ptr + (pair * SPLITS + i) * 2 * GP + g, cache_modifier=".cg"))
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            total = tl.zeros([GP], tl.float32)
+            merged = tl.zeros([GP, D], tl.float32)
+            for i in tl.static_range(SPLITS):
+                at = pair * SPLITS + i
+                w = tl.exp2(tl.load(ml_ptr + at * 2 * GP + g, cache_modifier=".cg") - m_all)
+                total += w * tl.load(ml_ptr + at * 2 * GP + GP + g, cache_modifier=".cg")
+                merged += w[:, None] * tl.load(part_ptr + (at * GP + g[:, None]) * D + d[None, :], cache_modifier=".cg")
+            tl.store(out_ptr + orow + d[None, :], (merged / total[:, None]).to(dtype), mask=gmask[:, None])
+            tl.atomic_xchg(count_ptr + pair, 0)  # ready for the next launch
+
+
+def _padded_group(heads: HeadShape) -> int:
+    """Query heads per KV head, padded for tl.dot (at least 16 rows)."""
+    return max(16, triton.next_power_of_2(heads.group))
+
+
+def splits_for(batch_size: int, kv_heads: int) -> int:
+    """KV splits per (sequence, KV head): enough programs for about ``TARGET_PROGRAMS``, at most
+    ``MAX_SPLITS``, a power of two."""
+    want = max(1, TARGET_PROGRAMS // (batch_size * kv_heads))
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
 def _check_rows(t: torch.Tensor, heads: int, d: int, what: str) -> None:
@@ -136,6 +182,23 @@ class TritonGraphDecode:
         self._scale = 1.0 / math.sqrt(heads.head_dim) * math.log2(math.e)
         self.block_n = BLOCK_N_FEW if batch_size < MANY_SEQS else BLOCK_N
         self.num_warps, self.num_stages = NUM_WARPS, NUM_STAGES
+        self.batch_size = batch_size
+        self.splits = 1
+        self._part = self._ml = None
+        self._count = torch.zeros(batch_size * heads.num_kv_heads, dtype=torch.int32, device=device)
+        self.set_splits(splits_for(batch_size, heads.num_kv_heads))
+
+    def set_splits(self, splits: int) -> None:
+        """Split each sequence's KV range over ``splits`` programs (a power of two), merged by
+        the last to finish; allocates the partial-result buffers (outside graph capture)."""
+        if splits < 1 or splits & (splits - 1):
+            raise ValueError(f"splits={splits} must be a power of two")
+        self.splits = splits
+        if splits > 1:
+            h, gp = self.heads, _padded_group(self.heads)
+            rows = self.batch_size * h.num_kv_heads * splits
+            self._part = torch.empty(rows * gp * h.head_dim, dtype=torch.float32, device=self._device)
+            self._ml = torch.empty(rows * 2 * gp, dtype=torch.float32, device=self._device)
 
     def plan(self, batch: AttentionBatch) -> None:
         """Non-blocking copies from pinned memory, stream-ordered before the replay."""
@@ -158,11 +221,13 @@ class TritonGraphDecode:
             raise ValueError(f"{n} query rows, graph batch is {self._last.shape[0]}")
         k_cache, v_cache = kv_layer[0], kv_layer[1]
         out = torch.empty((n, h.num_qo_heads, d), dtype=k_cache.dtype, device=q.device)
-        gp = max(16, triton.next_power_of_2(h.group))
-        _decode_kernel[(n, h.num_kv_heads)](
+        sp = self.splits
+        part, ml = (self._part, self._ml) if sp > 1 else (out, out)
+        _decode_kernel[(n, h.num_kv_heads, sp)](
             q, k, v, q.stride(0), k.stride(0), positions, slots, cos_sin, k_cache, v_cache,
-            self._indptr, self._indices, self._last, out, self._scale,
-            HKV=h.num_kv_heads, G=h.group, GP=gp, D=d, PS=self.page_size, BLOCK=self.block_n, FUSED=fused,
+            self._indptr, self._indices, self._last, out, self._scale, part, ml, self._count,
+            HKV=h.num_kv_heads, G=h.group, GP=_padded_group(h), D=d, PS=self.page_size, BLOCK=self.block_n,
+            FUSED=fused, SPLITS=sp,
             num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )
         return out

@@ -57,9 +57,9 @@ def _reference(kv, batch, q, k, v, positions, slots, rope, heads):
     return ref.run(qr.to(kv.dtype).float(), kv[0].float(), kv[1].float()), kv
 
 
-@pytest.mark.parametrize("block_n", [16, 128])  # several KV blocks per sequence; one
+@pytest.mark.parametrize("block_n,splits", [(16, 1), (128, 1), (16, 2), (8, 4), (16, 16)])  # KV blocks / splits
 @pytest.mark.parametrize("heads", [HeadShape(6, 2, 16), HeadShape(4, 4, 32)])
-def test_fused_decode_matches_rope_store_then_reference_attention(heads, block_n):
+def test_fused_decode_matches_rope_store_then_reference_attention(heads, block_n, splits):
     if torch.cuda.is_available():
         pytest.skip("CPU interpreter test; the GPU test below covers CUDA")
     kv_lens = [1, 3, PS, PS + 1, 3 * PS + 2, 70]  # one token, inside a page, page edges, > BLOCK_N
@@ -68,6 +68,7 @@ def test_fused_decode_matches_rope_store_then_reference_attention(heads, block_n
     want, want_kv = _reference(kv, batch, q, k, v, positions, slots, rope, heads)
     dec = TritonGraphDecode(heads, torch.device("cpu"), torch.float32, PS, len(kv_lens), kv.shape[1])
     dec.block_n = block_n
+    dec.set_splits(splits)  # 16 splits leave most of a short sequence's splits empty
     dec.plan(batch)
     got_kv = kv.clone()
     got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cpu")))
@@ -76,6 +77,7 @@ def test_fused_decode_matches_rope_store_then_reference_attention(heads, block_n
     # attention alone over the cache that now holds the new tokens gives the same result
     qr, _ = rope_ref(rope.inv_freq, q, k, positions)
     torch.testing.assert_close(dec.run(qr.contiguous(), got_kv[0], got_kv[1]), want, atol=1e-4, rtol=1e-4)
+    assert not dec._count.any()  # every merge reset its counter for the next launch
 
 
 def test_plan_refuses_a_batch_the_graph_does_not_hold():
@@ -88,17 +90,21 @@ def test_plan_refuses_a_batch_the_graph_does_not_hold():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_decode_on_gpu_matches_the_reference_in_bf16():
+@pytest.mark.parametrize("splits", [1, 2, 16])
+def test_fused_decode_on_gpu_matches_the_reference_in_bf16(splits):
     heads = HeadShape(24, 8, 128)
     kv_lens = [1, 17, 192, 200, 513, 64, 65, 1000] * 2
     kv, batch, q, k, v, positions, slots = _case(kv_lens, heads, "cuda", torch.bfloat16)
     rope = RotaryEmbedding(heads.head_dim, 500000.0, max_positions=4096)
     want, want_kv = _reference(kv, batch, q, k, v, positions, slots, rope, heads)
     dec = TritonGraphDecode(heads, torch.device("cuda"), torch.bfloat16, PS, len(kv_lens), kv.shape[1])
+    dec.set_splits(splits)
     dec.plan(batch)
     got_kv = kv.clone()
-    got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cuda")))
+    for _ in range(3):  # repeated launches: each must find its split counters reset
+        got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cuda")))
     torch.cuda.synchronize()
+    assert not dec._count.any()
     assert (got_kv.float() - want_kv.float()).abs().max() <= 2e-2  # one bf16 rounding of the rotated K
     err = (got.float() - want).norm() / want.norm()
     assert err <= 1e-2, err
