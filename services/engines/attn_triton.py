@@ -3,12 +3,14 @@ writes the new token's K/V into the paged cache.
 
 A decode step of a GQA layer otherwise launches three kernels after the qkv GEMM: RoPE on q/k,
 the K/V store, and the attention kernel. At decode sizes each is latency-bound (a few µs of
-launch and ramp for little work), so the fused kernel saves two launches a layer and runs the
-attention itself with one program per (sequence, KV head): the program rotates its KV head's
-new key and its query heads, stores K/V at the token's cache slot, and attends to the cached
-prefix through the page table plus the new token (taken from registers, so no program reads
-back what it just wrote). Used for graph batches of ``TRITON_DECODE_FROM`` sequences or more,
-where batch x KV heads programs fill the GPU without splitting the KV range.
+launch and ramp for little work), so the fused kernel saves two launches a layer. Its programs
+are (sequence, KV head, KV split): each rotates its KV head's query heads and new key with the
+fp32 cos|sin table, split 0 stores K/V at the token's cache slot, and each split attends to its
+slice of the cached prefix through the page table (split 0 also to the new token, from registers,
+so no program reads back what it just wrote). With several splits each writes a partial result
+(output, running max, sum) and the last split of its (sequence, KV head) to finish — an atomic
+counter, reset by that split — merges them in the same launch: few sequences with long contexts
+still spread over the GPU without a second kernel.
 
 Same page-table layout as FlashInfer (CSR ``indptr`` / ``indices`` / ``last_page_len``, NHD
 pages), same rotation (neox halves, the fp32 cos|sin table of ``RotaryEmbedding``), bf16 or fp16
@@ -35,8 +37,10 @@ BLOCK_N, BLOCK_N_FEW, MANY_SEQS = 64, 128, 32
 NUM_WARPS = 4
 NUM_STAGES: int | None = None
 #: Split-KV: programs wanted per launch (about two per SM of an H100) and the most splits per
-#: (sequence, KV head); the last split to finish merges the partial results in the same launch.
-TARGET_PROGRAMS, MAX_SPLITS = 264, 16
+#: (sequence, KV head). Measured on an H100 (bench/results/engines/decode_attn_split.json): batch 1
+#: at 8 splits 7.5 / 9.3 / 18.9 µs a layer at contexts 192 / 1k / 4k (1 split: 7.5 / 23.3 / 83.0);
+#: batch 16 at 2 splits 12.7 / 32.0 / 98.1 (1: 11.5 / 32.8 / 107.1).
+TARGET_PROGRAMS, MAX_SPLITS = 256, 8
 
 
 @triton.jit

@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # those <= max_num_seqs are captured
 
 
-#: ``graph_attention="auto"``: graphs of at least this many sequences run decode attention as the
-#: fused Triton kernel (RoPE + K/V store + attention, ``attn_triton.py``) when triton imports;
-#: smaller ones keep FlashInfer, whose split-KV spreads few sequences' long contexts over the GPU.
-TRITON_DECODE_FROM = 16
+#: Decode attention inside the graphs (``EngineConfig.graph_attention``): 'auto' runs the fused
+#: Triton kernel (RoPE + K/V store + split-KV attention, ``attn_triton.py``) when triton imports,
+#: else FlashInfer; 'flashinfer' / 'triton' force one. On an H100 the Triton kernel beat FlashInfer's
+#: graph decode + RoPE + store at every batch (1-64) and context (192-4096) measured
+#: (bench/results/engines/decode_attn_split.json).
 GRAPH_ATTENTION = ("auto", "flashinfer", "triton")
 
 
@@ -59,7 +60,7 @@ class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
-        kernel at every batch size) or 'auto' (Triton from ``TRITON_DECODE_FROM`` sequences)."""
+        kernel) or 'auto' (Triton when it imports, else FlashInfer)."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -69,8 +70,7 @@ class DecodeGraphs:
             raise RuntimeError(f"graph_attention='triton': {no_triton}")
         if attention == "auto" and no_triton:
             log.info("decode graphs use FlashInfer attention only: %s", no_triton)
-        triton_from = (1 << 30 if attention == "flashinfer" or no_triton
-                       else 1 if attention == "triton" else TRITON_DECODE_FROM)
+        use_triton = attention != "flashinfer" and not no_triton
         self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.copies = copies
@@ -82,7 +82,7 @@ class DecodeGraphs:
         pool = None
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its pool
             for copy in range(copies):
-                if bs >= triton_from:
+                if use_triton:
                     from mstar.services.engines.attn_triton import TritonGraphDecode
 
                     backend = TritonGraphDecode(model.config.heads, dev, cache.spec.dtype, cache.page_size, bs,

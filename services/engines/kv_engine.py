@@ -63,8 +63,8 @@ class EngineConfig:
     overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     kernels: str = "auto"  # auto | torch | flashinfer | compile: RMSNorm / RoPE / SiLU·mul (kernels.py)
-    # decode attention inside CUDA graphs: auto (fused Triton RoPE + K/V store + attention from
-    # cuda_graphs.TRITON_DECODE_FROM sequences, FlashInfer below) | flashinfer | triton
+    # decode attention inside CUDA graphs: auto (the fused Triton RoPE + K/V store + split-KV
+    # attention kernel when triton imports, else FlashInfer) | flashinfer | triton
     graph_attention: str = "auto"
     # token ids the engine's requests usually draw from (half-open ranges): a step whose rows all
     # carry allowed-token ranges inside them computes logits for these ids only (an audio
