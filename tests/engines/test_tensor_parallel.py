@@ -106,6 +106,9 @@ def _rank_main(rank: int, ckpt: str, init: str, out: str) -> None:
         engine.close()
     else:
         engine.follow()
+    # Both ranks done before either tears the group down: a rank destroying it while the other's
+    # last receive is in flight aborts that one (gloo: "terminate called without an active exception").
+    torch.distributed.barrier()
     tp.close()
 
 
