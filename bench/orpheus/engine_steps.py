@@ -32,6 +32,7 @@ ORPHEUS = SamplingParams(temperature=KNOBS["temperature"], top_p=KNOBS["top_p"],
 VARIANTS = {
     "orpheus": ORPHEUS,
     "orpheus_full_head": ORPHEUS,  # logits over the whole vocabulary (no EngineConfig.head_ranges)
+    "orpheus_torch_sampler": ORPHEUS,  # the torch sampler's ops instead of the fused Triton kernel
     "orpheus_no_rep_penalty": replace(ORPHEUS, repetition_penalty=1.0),
     "orpheus_no_top_p": replace(ORPHEUS, top_p=1.0),
     "orpheus_greedy": replace(ORPHEUS, temperature=0.0),
@@ -103,13 +104,16 @@ def main() -> None:
     run(engine, 8, ORPHEUS, False)  # warm-up
     for b in [1] + [int(x) for x in args.batches.split(",")]:
         for name, params in VARIANTS.items():
-            head = engine._head_cols
+            head, fused = engine._head_cols, engine.sampler._fused
             if name == "orpheus_full_head":
                 engine._head_cols = None
+            if name == "orpheus_torch_sampler":
+                engine.sampler._fused = False
             try:
-                r = {"variant": name, **run(engine, b, params, profile=not args.tiny and name in ("orpheus", "plain_t1"))}
+                r = {"variant": name, **run(engine, b, params, profile=not args.tiny and name in
+                                            ("orpheus", "orpheus_torch_sampler", "plain_t1"))}
             finally:
-                engine._head_cols = head
+                engine._head_cols, engine.sampler._fused = head, fused
             print(json.dumps(r), flush=True)
             res["runs"].append(r)
     Path(args.out).write_text(json.dumps(res, indent=2))

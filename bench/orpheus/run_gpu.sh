@@ -5,7 +5,8 @@
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>$SUFFIX.json); "profile" also
 # py-spies every process at 64 streams (profile_served.py); "snac" runs snac_bench.py first.
 # "tp" runs bench/engines/tp_bench.py (two GPUs); "steps" engine_steps.py (the engine alone, per
-# sampling variant, batches $STEP_BATCHES). BENCH_ARGS "skip" runs no bench.
+# sampling variant, batches $STEP_BATCHES); "tests" the engine's GPU tests (-> pytest_gpu.txt).
+# BENCH_ARGS "skip" runs no bench.
 # Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
 set -u -o pipefail
 OUT=${1:?OUTDIR}; ARGS=${2:-}; STAGES=",${3:-},"
@@ -21,7 +22,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 save_jit() { tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null; }  # after each stage: a cut-off call keeps it
 LIMIT=${LIMIT:-570}  # the device call's limit: the profile gets what is left
-REPO=$PWD; cd bench/orpheus
+REPO=$PWD
+if [[ $STAGES == *",tests,"* ]]; then  # the engine's GPU tests and the fused sampler's tests on CUDA
+  stamp tests
+  (cd tests/engines && python -m pytest . -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
+   python -m pytest test_sample_triton.py -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_gpu.txt" | tail -n 8
+fi
+cd bench/orpheus
 if [[ $STAGES == *",snac,"* ]]; then
   stamp snac
   python -c "from pathlib import Path; from bench_orpheus import SNAC_24K; from mstar.models.orpheus.demo_checkpoint import write_random_snac; write_random_snac(Path('/tmp/snac-ckpt/hubertsiuzdak/snac_24khz'), SNAC_24K)"

@@ -79,6 +79,7 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
         max_num_batched_tokens=int(kw.get("max_num_batched_tokens", 4096)),
         cuda_graphs=bool(kw.get("cuda_graphs", True)),
         graph_attention=str(kw.get("graph_attention", "auto")),
+        fused_sampler=str(kw.get("fused_sampler", "auto")),
     )
 
 

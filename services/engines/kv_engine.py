@@ -48,6 +48,8 @@ from mstar.services.engines.sequence import SeqStatus
 from mstar.services.engines.sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
+#: EngineConfig.fused_sampler -> Sampler(fused=...)
+FUSED_SAMPLER = {"auto": None, "on": True, "off": False}
 __all__ = ["EngineConfig", "EngineStats", "ForwardItem", "KVCacheEngine", "StepFailed"]
 
 
@@ -70,11 +72,16 @@ class EngineConfig:
     # carry allowed-token ranges inside them computes logits for these ids only (an audio
     # codebook in a large text vocabulary: the head reads a fraction of its weight)
     head_ranges: tuple[tuple[int, int], ...] = ()
+    # steps whose rows all draw from small allowed sets sample in one Triton kernel
+    # (sample_triton.py): auto (on CUDA when triton imports) | on | off (the torch sampler)
+    fused_sampler: str = "auto"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
             raise ValueError(f"EngineConfig.graph_attention: '{self.graph_attention}' is not one of "
                              f"{', '.join(GRAPH_ATTENTION)}")
+        if self.fused_sampler not in FUSED_SAMPLER:
+            raise ValueError(f"EngineConfig.fused_sampler: '{self.fused_sampler}' is not one of {', '.join(FUSED_SAMPLER)}")
 
 
 @dataclass
@@ -130,7 +137,7 @@ class KVCacheEngine:
         self.runner = ModelRunner(model, self.cache, backend, graphs, self.ops, tp)
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused=FUSED_SAMPLER[config.fused_sampler])
         self._head_cols = None  # the head_ranges' ids on the device, in column order
         if config.head_ranges:
             vocab = model.config.vocab_size  # type: ignore[attr-defined]

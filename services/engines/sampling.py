@@ -168,6 +168,17 @@ def row_cumsum(x: torch.Tensor, dtype: torch.dtype | None = None, padded: bool =
 
 
 # -- the sampler ----------------------------------------------------------------------------
+def _triton_available() -> bool:
+    try:
+        import mstar.services.engines.sample_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+#: the widest allowed set the fused sampler takes (one program holds a row in registers)
+FUSED_MAX_WIDTH = 8192
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -263,7 +274,10 @@ class Sampler:
       random stream. Same seed, same prompt, same outputs, whatever shares the batch.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, fused: bool | None = None) -> None:
+        """``fused``: batches whose rows all draw from small allowed sets run as one Triton
+        kernel (``sample_triton``); None (auto) = on CUDA when triton imports."""
+        self._fused = fused
         self._ranges = _RangeTable()
         self._rng = random.Random(seed)
         self._slots: dict[str, int] = {}  # tracked sequence -> row of _seen
@@ -320,11 +334,15 @@ class Sampler:
         slots = [self._slots.get(k, 0) if k is not None and p.repetition_penalty != 1 else 0
                  for k, p in zip(keys, params, strict=True)]
         penalize = any(slots)
-        greedy = all(p.greedy for p in params)
+        set_ids = self._ranges.ids(ranges, dev) if constrained else None
+        table = self._ranges.table
+        compacts = constrained and table is not None and (columns is not None or 2 * table.shape[1] <= vocab)
+        fused = compacts and table.shape[1] <= FUSED_MAX_WIDTH and self._use_fused(dev)
+        greedy = all(p.greedy for p in params) and not fused
         # rows: set id, seen-mask slot, penalty, then (sampling) temperature, top_p, min_p, top_k, greedy, uniform
         host = np.zeros((9 if not greedy else 3, n), dtype=np.float64)
         if constrained:
-            host[0] = self._ranges.ids(ranges, dev)
+            host[0] = set_ids
         if penalize:
             host[1] = slots
             host[2] = [p.repetition_penalty for p in params]
@@ -332,11 +350,16 @@ class Sampler:
             host[3:8] = np.array([p.draw_row for p in params]).T
             host[8] = self._uniforms(params, counters)
         per_row = h2d(torch.from_numpy(host), dev)
+        if fused:
+            from mstar.services.engines.sample_triton import sample_compact
+
+            assert table is not None
+            cols = self._ranges.positions(columns) if columns is not None else None
+            return sample_compact(logits, table, cols, per_row, self._seen if penalize else None)
         compact = cols = None
         if constrained:
-            table = self._ranges.table
             assert table is not None
-            if columns is not None or 2 * table.shape[1] <= vocab:
+            if compacts:
                 set_idx = per_row[0].long()
                 compact = table[set_idx]  # [B, L] token ids, -1 = padding
                 cols = compact if columns is None else self._ranges.positions(columns)[set_idx]
@@ -359,6 +382,11 @@ class Sampler:
         if penalize:  # mark the drawn ids seen; untracked rows write into the scratch row
             self._seen.view(-1).index_fill_(0, torch.where(slot > 0, slot, 1) * self._seen.shape[1] + tokens, True)
         return tokens
+
+    def _use_fused(self, device: torch.device) -> bool:
+        if self._fused is None:
+            self._fused = device.type == "cuda" and _triton_available()
+        return self._fused
 
     def _uniforms(self, params: Sequence[SamplingParams], counters: Sequence[int]) -> np.ndarray:
         if all(p.seed is not None for p in params):
