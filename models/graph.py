@@ -81,15 +81,36 @@ class FixedChunks:
     size: int
     continue_after_done: bool = True
 
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"FixedChunks.size must be >= 1, got {self.size}")
+
 
 @dataclass(frozen=True)
 class SlidingWindow:
     """Every ``stride`` new rows, the last ``window`` rows (once ``window`` exist). When
     the producer finishes, one last window follows (``final``), holding any rows not yet
-    covered — possibly none, so that a consumer holding back look-ahead can flush."""
+    covered — possibly none, so that a consumer holding back look-ahead can flush.
+
+    ``first`` (default ``window``): the first window comes once ``first`` rows exist and
+    holds just those; later ones every ``stride`` rows after it, up to ``window`` long. A
+    consumer that needs less context at the start than in steady state (a codec's first
+    frame has no left context to wait for) starts earlier."""
 
     window: int
     stride: int
+    first: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 1 <= self.stride <= self.window:
+            raise ValueError(f"SlidingWindow needs window >= 1 and 1 <= stride <= window, got window={self.window}, "
+                             f"stride={self.stride}")
+        if self.first is not None and not 1 <= self.first <= self.window:
+            raise ValueError(f"SlidingWindow.first must be in [1, window={self.window}], got {self.first}")
+
+    @property
+    def first_rows(self) -> int:
+        return self.window if self.first is None else self.first
 
 
 @dataclass(frozen=True)
@@ -99,6 +120,11 @@ class LeftContext:
 
     chunk: int
     left_context: int
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.left_context < 0:
+            raise ValueError(f"LeftContext needs chunk >= 1 and left_context >= 0, got chunk={self.chunk}, "
+                             f"left_context={self.left_context}")
 
 
 ChunkPolicy = FixedChunks | SlidingWindow | LeftContext

@@ -1,5 +1,6 @@
 """Chunk policies cut streams exactly as documented."""
 
+import pytest
 import torch
 
 from mstar.models.graph import FixedChunks, LeftContext, SlidingWindow
@@ -44,6 +45,33 @@ def test_orpheus_window_matches_its_cadence():
     c = Chunker(SlidingWindow(window=28, stride=7))
     fired = [i + 1 for i in range(60) if c.push(torch.tensor([i]))]
     assert fired == [28, 35, 42, 49, 56]
+
+
+def test_sliding_window_with_an_earlier_first_window():
+    # Orpheus: the first window at 21 rows (3 frames), then 28-row windows every 7 rows
+    c = Chunker(SlidingWindow(window=28, stride=7, first=21))
+    fired = [i + 1 for i in range(60) if c.push(torch.tensor([i]))]
+    assert fired == [21, 28, 35, 42, 49, 56]
+    got = cut(SlidingWindow(window=4, stride=2, first=3), 8)
+    assert got == [(0, 0, 0, False, [0, 1, 2]), (1, 1, 3, False, [1, 2, 3, 4]), (2, 3, 5, False, [3, 4, 5, 6]),
+                   (3, 4, 7, True, [4, 5, 6, 7])]
+    for n in range(1, 40):  # still every item "new" in exactly one chunk
+        covered = []
+        for _, start, new_from, _, items in cut(SlidingWindow(window=28, stride=7, first=21), n):
+            covered += items[new_from - start:]
+        assert covered == list(range(n)), n
+
+
+@pytest.mark.parametrize("make, field", [(lambda: SlidingWindow(window=4, stride=5), "stride"),
+                                         (lambda: SlidingWindow(window=4, stride=0), "stride"),
+                                         (lambda: SlidingWindow(window=4, stride=2, first=5), "first"),
+                                         (lambda: SlidingWindow(window=4, stride=2, first=0), "first"),
+                                         (lambda: FixedChunks(0), "size"),
+                                         (lambda: LeftContext(chunk=0, left_context=1), "chunk"),
+                                         (lambda: LeftContext(chunk=2, left_context=-1), "left_context")])
+def test_bad_policies_are_refused_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
 
 
 def test_left_context():

@@ -148,7 +148,10 @@ def baseline_level(model, snac, prompt_ids: list[int], streams: int, max_tokens:
     kw = dict(do_sample=True, temperature=KNOBS["temperature"], top_p=KNOBS["top_p"],
               repetition_penalty=KNOBS["repetition_penalty"], cache_implementation="static", eos_token_id=None,
               pad_token_id=0, attention_mask=torch.ones_like(ids))
-    model.generate(ids, max_new_tokens=16, logits_processor=LogitsProcessorList([CycleMask(ids.shape[1], 156940)]), **kw)
+    # warm-up of the very shapes timed below (batch and static-cache length): the static cache's
+    # compile, and any recompile for a new batch size or cache length, stays out of the timing
+    model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                   logits_processor=LogitsProcessorList([CycleMask(ids.shape[1], 156940)]), **kw)
     sync()
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
@@ -194,8 +197,10 @@ def main() -> None:
     mesh = start_mesh(root, args.placement, result["model_kwargs"])
     result["mesh_start_s"] = time.perf_counter() - t
     try:
-        asyncio.run(mstar_level(mesh.conductor_address, 4, 64))  # warm-up
-        for n in [int(x) for x in args.streams.split(",")]:
+        levels = [int(x) for x in args.streams.split(",")]
+        for n in levels:  # warm-up at every level's concurrency: one-off costs of a new batch size stay out
+            asyncio.run(mstar_level(mesh.conductor_address, n, 32))
+        for n in levels:
             r = asyncio.run(mstar_level(mesh.conductor_address, n, args.max_tokens))
             print(json.dumps(r), flush=True)
             result["mstar"].append(r)

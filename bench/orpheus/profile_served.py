@@ -53,12 +53,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny random model (a CPU look at the per-token overhead)")
     ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
     ap.add_argument("--placement", choices=PLACEMENTS, default="split")
+    ap.add_argument("--model-kwargs", default="{}", help="JSON merged into the config's model_kwargs (e.g. snac_dtype)")
     ap.add_argument("--spy-args", default="", help="more py-spy record options, e.g. '--gil' (only the GIL holder) or '--idle'")
     args = ap.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="orpheus-prof-"))
     if not (root / "hubertsiuzdak").exists():
         write_checkpoints(root, tiny=args.tiny)
-    mesh = start_mesh(root, args.placement)
+    mesh = start_mesh(root, args.placement, json.loads(args.model_kwargs))
     try:
         asyncio.run(mstar_level(mesh.conductor_address, 4, 64))
         pids = {s.name: s.proc.pid for s in mesh.services}

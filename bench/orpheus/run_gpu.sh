@@ -5,7 +5,7 @@
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>$SUFFIX.json); "profile" also
 # py-spies every process at 64 streams (profile_served.py); "snac" runs snac_bench.py first.
 # "tp" runs bench/engines/tp_bench.py (two GPUs); "steps" engine_steps.py (the engine alone, per
-# sampling variant, batches $STEP_BATCHES); "tests" the engine's GPU tests (-> pytest_gpu.txt).
+# sampling variant, batches $STEP_BATCHES); "tests" the engine's and the SNAC node's GPU tests (-> pytest_gpu.txt).
 # BENCH_ARGS "skip" runs no bench.
 # Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
 set -u -o pipefail
@@ -26,7 +26,8 @@ REPO=$PWD
 if [[ $STAGES == *",tests,"* ]]; then  # the engine's GPU tests and the fused sampler's tests on CUDA
   stamp tests
   (cd tests/engines && python -m pytest . -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
-   python -m pytest test_sample_triton.py -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_gpu.txt" | tail -n 8
+   python -m pytest test_sample_triton.py -q -o addopts="" -p no:cacheprovider 2>&1 && \
+   cd ../orpheus && python -m pytest test_orpheus_snac.py -m gpu -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_gpu.txt" | tail -n 12
 fi
 cd bench/orpheus
 if [[ $STAGES == *",snac,"* ]]; then
@@ -53,7 +54,7 @@ for P in ${PLACEMENTS:-split}; do
 done
 if [[ $STAGES == *",profile,"* ]]; then
   stamp profile
-  timeout $(( LIMIT - ($(date +%s) - T0) )) python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_${PROFILE_STREAMS:-64}_streams${SUFFIX:-}.txt" --streams ${PROFILE_STREAMS:-64} --max-tokens ${PROFILE_TOKENS:-700} --spy-args="${SPY_ARGS:-}"
+  timeout $(( LIMIT - ($(date +%s) - T0) )) python profile_served.py --root /tmp/orpheus-ckpt --out "$OUT/py_spy_${PROFILE_STREAMS:-64}_streams${SUFFIX:-}.txt" --streams ${PROFILE_STREAMS:-64} --max-tokens ${PROFILE_TOKENS:-700} --spy-args="${SPY_ARGS:-}" --model-kwargs="${PROFILE_KWARGS:-{\}}"
 fi
 save_jit
 stamp done

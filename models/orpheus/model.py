@@ -4,7 +4,9 @@ Walks:
 - ``prefill``: the LLM reads the prompt and samples the first token (kept for ``decode``);
 - ``decode``: a Loop over the LLM, one token per iteration, ending at end-of-speech or
   ``max_tokens``; every valid audio code streams to the SNAC decoder over a sliding
-  window of 28 codes (4 frames) advancing 7 (1 frame);
+  window of 28 codes (4 frames) advancing 7 (1 frame), the first window at 21 codes
+  (frame 0 and its two frames of right context; ``first_window_frames: 4`` waits for 28;
+  ``snac_stride_frames: n`` decodes n frames a window, see ``tokens.window_plan``);
 - ``snac_chunk``: one window -> the PCM of the frames it completes -> the client.
 """
 
@@ -45,7 +47,7 @@ from mstar.models.orpheus.checkpoint import (
     open_checkpoint,
     resolve_checkpoint,
 )
-from mstar.models.orpheus.tokens import VOICES, build_prompt_ids
+from mstar.models.orpheus.tokens import VOICES, build_prompt_ids, window_plan
 
 SAMPLE_RATE = 24_000
 DEFAULT_LLM = "canopylabs/orpheus-3b-0.1-ft"
@@ -71,6 +73,7 @@ class OrpheusModel(Model):
     nodes = (GraphNode("llm", EngineType.KV_CACHE), GraphNode("snac_decoder"))
 
     def build_walks(self) -> list[Walk]:
+        plan = window_plan(self.model_kwargs)
         return [
             Walk("prefill", "llm", [
                 GraphEdge(INPUT, "llm", "prompt_ids"),
@@ -79,7 +82,7 @@ class OrpheusModel(Model):
             Walk("decode", Loop("llm", max_iters=MAX_DECODE_ITERS, stop_node="llm", name="tokens"), [
                 GraphEdge(INPUT, "llm", "token"),
                 GraphEdge("llm", "llm", "token"),
-                StreamingGraphEdge("llm", "snac_decoder", "code", policy=SlidingWindow(window=28, stride=7),
+                StreamingGraphEdge("llm", "snac_decoder", "code", policy=SlidingWindow(plan.window, plan.stride, first=plan.first),
                                    topology=PartitionTopology("decode", "snac_chunk")),
             ]),
             Walk("snac_chunk", "snac_decoder", [

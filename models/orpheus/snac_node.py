@@ -4,8 +4,11 @@ completes out.
 Windows hold 28 codes (4 frames) and advance one frame. A frame is emitted once it has
 two frames of right context — frame f-2 of the window ending at frame f, i.e. samples
 2048:4096 of a full window, exactly what the official Orpheus decoder keeps. Unlike
-the official decoder, the first window also emits frame 0, and the last window (sent
-when generation ends) flushes the final frames, so the audio covers every frame.
+the official decoder, frame 0 is emitted too, from a first window of 3 frames (21 codes,
+frame 0 with the same two frames of right context as every other frame: the first audio
+leaves 7 tokens earlier), and the last window (sent when generation ends) flushes the
+final frames, so the audio covers every frame. ``snac_stride_frames: n`` makes windows of
+n + 3 frames every n frames, each emitting n frames (fewer decoded frames per emitted one).
 """
 
 from __future__ import annotations
@@ -17,14 +20,10 @@ import torch
 
 from mstar.models.base import NodeCall, NodeContext, NodeSubmodule
 from mstar.models.orpheus.snac import load_snac_decoder
-from mstar.models.orpheus.tokens import TOKENS_PER_FRAME, snac_codes
+from mstar.models.orpheus.tokens import RIGHT_CONTEXT_FRAMES, TOKENS_PER_FRAME, snac_codes, window_plan
 from mstar.services.engines.stateless import StatelessEngine
 
-RIGHT_CONTEXT_FRAMES = 2
-
-
 SNAC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WINDOW_CODES = 4 * TOKENS_PER_FRAME  # a full sliding window: the shape served by CUDA graphs
 SNAC_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
@@ -32,7 +31,8 @@ class SnacNode(NodeSubmodule):
     """Windows go through the stateless engine as one packed int64 row each (levels 0, 1, 2
     concatenated: F + 2F + 4F codes); on CUDA, full windows replay CUDA graphs captured per
     batch bucket at start (an eager decode is ~170 small kernels: 3.7 ms of launches on an
-    H100 whatever the batch), on their own stream so they overlap the LLM's steps."""
+    H100 whatever the batch), first windows too, on their own stream so they overlap the
+    LLM's steps."""
 
     blocking = True
 
@@ -48,15 +48,18 @@ class SnacNode(NodeSubmodule):
         # SNAC's decoder adds fresh Gaussian noise on every decode (the reference does, so
         # we do by default); snac_noise: false leaves it out: audio then depends only on the codes
         self.noise = bool(ctx.model_kwargs.get("snac_noise", True))
+        plan = window_plan(ctx.model_kwargs)
+        self.graphed_codes = {plan.window, plan.first}  # the window shapes served by CUDA graphs
         cuda = ctx.device.startswith("cuda")
         self.stream = torch.cuda.Stream(device=ctx.device) if cuda else None
         graphs = cuda and bool(ctx.model_kwargs.get("snac_cuda_graphs", True))
         self.full = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, cuda_graphs=graphs, device=ctx.device)
-        self.other = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, device=ctx.device)  # short final windows
+        self.other = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, device=ctx.device)  # short last windows
         if graphs:
             with torch.cuda.stream(self.stream):
                 for b in SNAC_BATCH_SIZES:  # capture now, not in the middle of serving
-                    self.full.run([torch.zeros(WINDOW_CODES, dtype=torch.int64)] * b)
+                    for n in sorted(self.graphed_codes):
+                        self.full.run([torch.zeros(n, dtype=torch.int64)] * b)
             self.stream.synchronize()  # type: ignore[union-attr]
 
     def _decode_packed(self, packed: torch.Tensor) -> torch.Tensor:
@@ -75,8 +78,8 @@ class SnacNode(NodeSubmodule):
         spf = self.samples_per_frame
         spans = {i: (plans[i][1] * spf, plans[i][2] * spf) for i in rows}  # type: ignore[index]
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()):
-            full = [i for i in rows if len(rows[i]) == WINDOW_CODES]
-            short = [i for i in rows if len(rows[i]) != WINDOW_CODES]
+            full = [i for i in rows if len(rows[i]) in self.graphed_codes]
+            short = [i for i in rows if len(rows[i]) not in self.graphed_codes]
             audio = dict(zip(full, self.full.run([rows[i] for i in full]), strict=True))
             audio.update(zip(short, self.other.run([rows[i] for i in short]), strict=True))
             flat = torch.cat([audio[i][0, lo:hi] for i, (lo, hi) in spans.items()]).float().cpu() if rows else None

@@ -31,6 +31,38 @@ PAD = 128263  # <custom_token_7> (finetune/config.yaml pad_token)
 AUDIO_TOKEN_OFFSET = 128266  # <custom_token_10>: code 0 at frame position 0
 CODES_PER_POSITION = 4096  # SNAC codebook size; each frame position has its own id block
 TOKENS_PER_FRAME = 7  # 1 + 2 + 4 codes of SNAC levels 0/1/2
+# the sliding window the SNAC decoder reads: 4 frames, advancing 1 (the official decoder's); a frame
+# is decoded once it has RIGHT_CONTEXT_FRAMES after it, so the first window (frame 0 + its right
+# context) is 3 frames
+RIGHT_CONTEXT_FRAMES = 2
+WINDOW_CODES = 4 * TOKENS_PER_FRAME
+FIRST_WINDOW_CODES = (1 + RIGHT_CONTEXT_FRAMES) * TOKENS_PER_FRAME
+MAX_STRIDE_FRAMES = 8
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """How the code stream is cut for the SNAC decoder, in codes."""
+
+    first: int  # the first window: once this many codes exist
+    window: int  # later windows: this many codes ...
+    stride: int  # ... every this many new codes
+
+
+def window_plan(model_kwargs: dict) -> WindowPlan:
+    """The server knobs ``first_window_frames`` (3: frame 0 as soon as it has its two frames of right
+    context, the default; 4: as the official decoder) and ``snac_stride_frames`` (1, the default and
+    the official decoder's: a window per frame; n: a window per n frames, n + 3 frames long, so each
+    emitted frame keeps at least one frame of left and two of right context, and the decoder runs
+    (n + 3) / n frames per emitted frame instead of 4), validated."""
+    first = model_kwargs.get("first_window_frames", FIRST_WINDOW_CODES // TOKENS_PER_FRAME)
+    if type(first) is not int or first not in (3, 4):
+        raise ValueError(f"model_kwargs.first_window_frames must be 3 or 4, got {first!r}")
+    stride = model_kwargs.get("snac_stride_frames", 1)
+    if type(stride) is not int or not 1 <= stride <= MAX_STRIDE_FRAMES:
+        raise ValueError(f"model_kwargs.snac_stride_frames must be an integer in [1, {MAX_STRIDE_FRAMES}], got {stride!r}")
+    window = stride + 1 + RIGHT_CONTEXT_FRAMES
+    return WindowPlan(first * TOKENS_PER_FRAME, window * TOKENS_PER_FRAME, stride * TOKENS_PER_FRAME)
 AUDIO_TOKEN_END = AUDIO_TOKEN_OFFSET + TOKENS_PER_FRAME * CODES_PER_POSITION  # exclusive: 156938
 
 # Order of "conversational realism" per the README; English finetune-prod voices.

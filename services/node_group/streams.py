@@ -69,9 +69,9 @@ class Chunker:
                 out.append(self._emit(self.covered, self.count, final=True))
             self._trim(self.covered)
         elif isinstance(p, SlidingWindow):
-            # first window when `window` items exist, then every `stride` new items
-            while self.count >= p.window and self.count - self.covered >= (p.stride if self.chunks else p.window):
-                end = self.covered + (p.stride if self.chunks else p.window)
+            # first window when `first` items exist (default `window`), then every `stride` new items
+            while self.count - self.covered >= (p.stride if self.chunks else p.first_rows):
+                end = self.covered + (p.stride if self.chunks else p.first_rows)
                 out.append(self._emit(max(0, end - p.window), end, final=False))
             if final and self.count:  # always a last window, so a look-ahead consumer can flush
                 out.append(self._emit(max(0, self.count - p.window), self.count, final=True))

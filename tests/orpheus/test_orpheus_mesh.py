@@ -84,3 +84,30 @@ def test_cancel_frees_kv_pages(weights):
                 await asyncio.sleep(0.02)
             assert llm.kv_stats[0] == used0 and not llm.pending and not llm.buffered
     run(go(), timeout=120)
+
+
+def test_window_knobs():
+    from mstar.models.orpheus.model import OrpheusModel
+
+    def policy(**kw):
+        (decode,) = [w for w in OrpheusModel(kw).build_walks() if w.name == "decode"]
+        (edge,) = [e for e in decode.edges if e.streaming]
+        return edge.policy.first_rows, edge.policy.window, edge.policy.stride
+
+    assert policy() == (21, 28, 7) and policy(first_window_frames=4) == (28, 28, 7)
+    assert policy(snac_stride_frames=3) == (21, 42, 21)
+    for bad in (2, 5, True, "3", 3.0):
+        with pytest.raises(ValueError, match="model_kwargs.first_window_frames must be 3 or 4"):
+            policy(first_window_frames=bad)
+    for bad in (0, 9, 1.0, None):
+        with pytest.raises(ValueError, match=r"model_kwargs.snac_stride_frames must be an integer in \[1, 8\]"):
+            policy(snac_stride_frames=bad)
+
+
+@pytest.mark.parametrize("name", ["default", "disaggregated", "throughput", "tp2"])
+def test_shipped_configs_build_their_walks(name):
+    from mstar.models.orpheus.model import OrpheusModel
+
+    cfg = load_config(f"{CONFIGS}/{name}.yaml")
+    walks = {w.name for w in OrpheusModel(cfg.model_kwargs).build_walks()}
+    assert walks == {"prefill", "decode", "snac_chunk"}

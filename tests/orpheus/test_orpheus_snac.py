@@ -169,3 +169,67 @@ def test_snac_node_names_a_bad_dtype(reference_snac):
 
     with pytest.raises(ValueError, match="model_kwargs.snac_dtype must be one of float32, bfloat16, float16, got 'fp8'"):
         SnacNode(Path(reference_snac[1]), NodeContext("snac_decoder", "cpu", None, {"snac_dtype": "fp8"}))
+
+
+def _stream_through_snac_node(node, codes, kwargs):
+    """Codes through the served policy's chunker and the node, as the runtime feeds it: per-frame
+    audio in emission order."""
+    from mstar.models.base import NodeCall
+    from mstar.models.graph import SlidingWindow
+    from mstar.models.orpheus.tokens import window_plan
+    from mstar.services.node_group.streams import Chunker
+
+    plan = window_plan(kwargs)
+    chunker = Chunker(SlidingWindow(plan.window, plan.stride, first=plan.first))
+    state, pieces, fired = {}, [], []
+    chunks = []
+    for i, c in enumerate(codes):
+        for chunk in chunker.push(torch.tensor([c])):
+            chunks.append(chunk)
+            fired.append(i + 1)
+    chunks += chunker.finish()
+    for info, rows in chunks:
+        (out,) = node.forward([NodeCall("r", "snac_chunk", -1, {"code": rows}, {}, state, info)])
+        pieces.append(out["audio"])
+    return torch.cat(pieces), fired
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("stride, fired, windows", [(1, [21, 28, 35, 42, 49, 56, 63, 70], 9), (3, [21, 42, 63], 4)])
+def test_snac_node_streams_every_frame_first_at_21_codes(reference_snac, ours, device, stride, fired, windows):
+    """The served stream: first audio once 21 codes exist (frame 0), then ``stride`` frames per
+    7 * stride codes, the rest flushed at the end; every frame exactly once, in order, close to
+    the whole decode. On CUDA the first and the full windows replay CUDA graphs: same audio as
+    the eager decoder, noise off (asserted 1e-4 abs: graph replay and eager run the same kernels)."""
+    from pathlib import Path
+
+    from mstar.models.base import NodeContext
+    from mstar.models.orpheus.snac_node import SnacNode
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    codes = torch.randint(0, 4096, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    kw = {"snac_noise": False, "snac_stride_frames": stride}
+    node = SnacNode(Path(reference_snac[1]), NodeContext("snac_decoder", device, None, kw))
+    replays0 = node.full.stats.graph_replays  # the captures at start replay once each
+    audio, got_fired = _stream_through_snac_node(node, codes, kw)
+    assert got_fired == fired
+    assert audio.shape == (70 // 7 * 2048,)
+    whole = ours.decode([lv.to(torch.int64) for lv in _levels(codes)], noise=False)[0, 0]
+    frame0 = ours.decode([lv.to(torch.int64) for lv in _levels(codes[:21])], noise=False)[0, 0, :2048]
+    torch.testing.assert_close(audio[:2048].cpu(), frame0, atol=1e-4, rtol=0)
+    # every frame near the whole decode (the streaming bounds of test_orpheus_streaming)
+    assert (audio.cpu() - whole).abs().max() <= 0.03
+    if device == "cuda":
+        # every window (first, full ones, the flush: full here) replayed a graph; nothing eager
+        assert node.full.stats.graph_replays - replays0 == windows and node.other.stats.calls == 0
+        eager = SnacNode(Path(reference_snac[1]), NodeContext("snac_decoder", device, None,
+                                                             {**kw, "snac_cuda_graphs": False}))
+        torch.testing.assert_close(audio, _stream_through_snac_node(eager, codes, kw)[0], atol=1e-4, rtol=0)
+
+
+def _levels(codes):
+    from mstar.models.orpheus.tokens import snac_codes
+
+    s = snac_codes(codes)
+    return [torch.tensor([list(level)]) for level in (s.levels[0], s.levels[1], s.levels[2])]
