@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
+from gpu_timing import graph_replay_ms
 
 from mstar.services.engines import attn_triton
 from mstar.services.engines.attention import AttentionBatch, HeadShape
@@ -27,25 +27,7 @@ HEADS, LAYERS, PS = HeadShape(24, 8, 128), 28, 16
 
 
 def graph_ms(fn, reps: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return graph_replay_ms(fn, reps)
 
 
 def run_case(bs: int, ctx: int, configs: list[str], rope, cos_sin, ops, gen) -> dict:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from gpu_timing import graph_replay_ms
 
 
 @triton.jit
@@ -71,24 +71,7 @@ LAYERS = 28
 
 
 def graph_us(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times) * 1e3 / LAYERS
+    return graph_replay_ms(fn, reps) * 1e3 / LAYERS
 
 
 def main() -> None:

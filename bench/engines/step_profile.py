@@ -22,12 +22,12 @@ import gc
 import json
 import math
 import os
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from decode_bench import GIB, SHAPE, copy_bandwidth, device_breakdown
+from gpu_timing import graph_replay_ms
 
 from mstar.services.engines import (
     EngineConfig,
@@ -48,24 +48,7 @@ MS = (1, 2, 4, 8, 16, 32, 64, 128, 2048)
 
 def graph_time_ms(fn, reps: int = 20) -> float:
     """Median device time of one replay of a graph of ``fn``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for i in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return graph_replay_ms(fn, reps)
 
 
 @torch.inference_mode()
