@@ -53,13 +53,13 @@ class SnacNode(NodeSubmodule):
         cuda = ctx.device.startswith("cuda")
         self.stream = torch.cuda.Stream(device=ctx.device) if cuda else None
         graphs = cuda and bool(ctx.model_kwargs.get("snac_cuda_graphs", True))
-        self.full = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, cuda_graphs=graphs, device=ctx.device)
-        self.other = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, device=ctx.device)  # short last windows
+        self.graphed = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, cuda_graphs=graphs, device=ctx.device)
+        self.eager = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, device=ctx.device)  # short last windows
         if graphs:
             with torch.cuda.stream(self.stream):
                 for b in SNAC_BATCH_SIZES:  # capture now, not in the middle of serving
                     for n in sorted(self.graphed_codes):
-                        self.full.run([torch.zeros(n, dtype=torch.int64)] * b)
+                        self.graphed.run([torch.zeros(n, dtype=torch.int64)] * b)
             self.stream.synchronize()  # type: ignore[union-attr]
 
     def _decode_packed(self, packed: torch.Tensor) -> torch.Tensor:
@@ -78,10 +78,10 @@ class SnacNode(NodeSubmodule):
         spf = self.samples_per_frame
         spans = {i: (plans[i][1] * spf, plans[i][2] * spf) for i in rows}  # type: ignore[index]
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()):
-            full = [i for i in rows if len(rows[i]) in self.graphed_codes]
+            graphed = [i for i in rows if len(rows[i]) in self.graphed_codes]
             short = [i for i in rows if len(rows[i]) not in self.graphed_codes]
-            audio = dict(zip(full, self.full.run([rows[i] for i in full]), strict=True))
-            audio.update(zip(short, self.other.run([rows[i] for i in short]), strict=True))
+            audio = dict(zip(graphed, self.graphed.run([rows[i] for i in graphed]), strict=True))
+            audio.update(zip(short, self.eager.run([rows[i] for i in short]), strict=True))
             flat = torch.cat([audio[i][0, lo:hi] for i, (lo, hi) in spans.items()]).float().cpu() if rows else None
         results, at = [], 0
         for i in range(len(plans)):

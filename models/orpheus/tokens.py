@@ -35,8 +35,9 @@ TOKENS_PER_FRAME = 7  # 1 + 2 + 4 codes of SNAC levels 0/1/2
 # is decoded once it has RIGHT_CONTEXT_FRAMES after it, so the first window (frame 0 + its right
 # context) is 3 frames
 RIGHT_CONTEXT_FRAMES = 2
-WINDOW_CODES = 4 * TOKENS_PER_FRAME
-FIRST_WINDOW_CODES = (1 + RIGHT_CONTEXT_FRAMES) * TOKENS_PER_FRAME
+OFFICIAL_WINDOW_FRAMES = 4
+FIRST_WINDOW_FRAMES = 1 + RIGHT_CONTEXT_FRAMES
+FIRST_WINDOW_CODES = FIRST_WINDOW_FRAMES * TOKENS_PER_FRAME
 MAX_STRIDE_FRAMES = 8
 
 
@@ -55,8 +56,8 @@ def window_plan(model_kwargs: dict) -> WindowPlan:
     the official decoder's: a window per frame; n: a window per n frames, n + 3 frames long, so each
     emitted frame keeps at least one frame of left and two of right context, and the decoder runs
     (n + 3) / n frames per emitted frame instead of 4), validated."""
-    first = model_kwargs.get("first_window_frames", FIRST_WINDOW_CODES // TOKENS_PER_FRAME)
-    if type(first) is not int or first not in (3, 4):
+    first = model_kwargs.get("first_window_frames", FIRST_WINDOW_FRAMES)
+    if type(first) is not int or first not in (FIRST_WINDOW_FRAMES, OFFICIAL_WINDOW_FRAMES):
         raise ValueError(f"model_kwargs.first_window_frames must be 3 or 4, got {first!r}")
     stride = model_kwargs.get("snac_stride_frames", 1)
     if type(stride) is not int or not 1 <= stride <= MAX_STRIDE_FRAMES:

@@ -168,14 +168,6 @@ def row_cumsum(x: torch.Tensor, dtype: torch.dtype | None = None, padded: bool =
 
 
 # -- the sampler ----------------------------------------------------------------------------
-def _triton_available() -> bool:
-    try:
-        import mstar.services.engines.sample_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 #: the widest allowed set the fused sampler takes (one program holds a row in registers)
 FUSED_MAX_WIDTH = 8192
 
@@ -385,7 +377,9 @@ class Sampler:
 
     def _use_fused(self, device: torch.device) -> bool:
         if self._fused is None:
-            self._fused = device.type == "cuda" and _triton_available()
+            from mstar.services.engines.cuda_graphs import triton_unavailable_reason
+
+            self._fused = device.type == "cuda" and triton_unavailable_reason() is None
         return self._fused
 
     def _uniforms(self, params: Sequence[SamplingParams], counters: Sequence[int]) -> np.ndarray:

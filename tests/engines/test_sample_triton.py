@@ -101,6 +101,16 @@ def test_a_set_wider_than_the_kernel_takes_is_refused():
     ids = torch.arange(FUSED_MAX_WIDTH + 1)[None]
     with pytest.raises(ValueError, match="exceed the fused sampler's 8192"):
         sample_compact(torch.zeros(1, FUSED_MAX_WIDTH + 1), ids, None, torch.zeros(9, 1, dtype=torch.float64), None)
+    with pytest.raises(ValueError, match=r"cols \(1, 3\) must match ids \(1, 4\)"):
+        sample_compact(torch.zeros(1, 8), torch.arange(4)[None], torch.arange(3)[None],
+                       torch.zeros(9, 1, dtype=torch.float64), None)
+
+
+def test_engine_config_names_a_bad_fused_sampler_setting():
+    from mstar.services.engines.kv_engine import EngineConfig
+
+    with pytest.raises(ValueError, match="EngineConfig.fused_sampler: 'maybe' is not one of auto, on, off"):
+        EngineConfig(fused_sampler="maybe")
 
 
 @pytest.mark.gpu

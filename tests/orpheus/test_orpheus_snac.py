@@ -211,7 +211,7 @@ def test_snac_node_streams_every_frame_first_at_21_codes(reference_snac, ours, d
     codes = torch.randint(0, 4096, (70,), generator=torch.Generator().manual_seed(3)).tolist()
     kw = {"snac_noise": False, "snac_stride_frames": stride}
     node = SnacNode(Path(reference_snac[1]), NodeContext("snac_decoder", device, None, kw))
-    replays0 = node.full.stats.graph_replays  # the captures at start replay once each
+    replays0 = node.graphed.stats.graph_replays  # the captures at start replay once each
     audio, got_fired = _stream_through_snac_node(node, codes, kw)
     assert got_fired == fired
     assert audio.shape == (70 // 7 * 2048,)
@@ -222,7 +222,7 @@ def test_snac_node_streams_every_frame_first_at_21_codes(reference_snac, ours, d
     assert (audio.cpu() - whole).abs().max() <= 0.03
     if device == "cuda":
         # every window (first, full ones, the flush: full here) replayed a graph; nothing eager
-        assert node.full.stats.graph_replays - replays0 == windows and node.other.stats.calls == 0
+        assert node.graphed.stats.graph_replays - replays0 == windows and node.eager.stats.calls == 0
         eager = SnacNode(Path(reference_snac[1]), NodeContext("snac_decoder", device, None,
                                                              {**kw, "snac_cuda_graphs": False}))
         torch.testing.assert_close(audio, _stream_through_snac_node(eager, codes, kw)[0], atol=1e-4, rtol=0)
