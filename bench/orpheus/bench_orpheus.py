@@ -105,6 +105,47 @@ async def stream(stub, i: int, max_tokens: int) -> dict:
     return {"ttfa_s": first, "total_s": total, "audio_s": audio_s, "rtf": total / audio_s if audio_s else None}
 
 
+def group_counters(mesh: Mesh) -> dict[str, float]:
+    """Node-group step counters, summed over the mesh's node-group services: per node the calls
+    and batches (``batch_size`` sum / count) and the step seconds, per group the busy seconds."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    names = {s.name for s in mesh.services if s.kind == "node_group"}
+    for name, url in mesh.metrics_urls().items():
+        if name not in names:
+            continue
+        with urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name in ("mstar_node_group_batch_size_sum", "mstar_node_group_batch_size_count",
+                                "mstar_node_group_step_seconds_sum"):
+                    key = f"{smp.labels['node']}.{smp.name.removeprefix('mstar_node_group_')}"
+                elif smp.name == "mstar_node_group_busy_seconds_total":
+                    key = f"{smp.labels['group']}.busy_seconds"
+                else:
+                    continue
+                out[key] = out.get(key, 0.0) + smp.value
+    return out
+
+
+def level_counters(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """Per node over one level: batches/s, mean calls per batch, mean step ms; per group busy fraction."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    res: dict = {}
+    for key in d:
+        node, _, metric = key.partition(".")
+        if metric == "batch_size_count" and d[key]:
+            res[node] = {"batches_per_s": d[key] / wall_s, "mean_batch": d[f"{node}.batch_size_sum"] / d[key],
+                         "mean_step_ms": 1e3 * d.get(f"{node}.step_seconds_sum", 0.0) / d[key]}
+        elif metric == "busy_seconds":
+            res[f"{node}_busy_fraction"] = d[key] / wall_s
+    return res
+
+
 async def mstar_level(address: str, streams: int, max_tokens: int) -> dict:
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = conductor_pb2_grpc.ConductorStub(ch)
@@ -201,7 +242,9 @@ def main() -> None:
         for n in levels:  # warm-up at every level's concurrency: one-off costs of a new batch size stay out
             asyncio.run(mstar_level(mesh.conductor_address, n, 32))
         for n in levels:
+            before = group_counters(mesh)
             r = asyncio.run(mstar_level(mesh.conductor_address, n, args.max_tokens))
+            r["node_groups"] = level_counters(before, group_counters(mesh), r["wall_s"])
             print(json.dumps(r), flush=True)
             result["mstar"].append(r)
     finally:

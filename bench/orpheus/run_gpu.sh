@@ -33,7 +33,7 @@ cd bench/orpheus
 if [[ $STAGES == *",snac,"* ]]; then
   stamp snac
   python -c "from pathlib import Path; from bench_orpheus import SNAC_24K; from mstar.models.orpheus.demo_checkpoint import write_random_snac; write_random_snac(Path('/tmp/snac-ckpt/hubertsiuzdak/snac_24khz'), SNAC_24K)"
-  python snac_bench.py --root /tmp/snac-ckpt --out "$OUT/snac_bench.json"
+  python snac_bench.py --root /tmp/snac-ckpt --out "$OUT/snac_bench${SUFFIX:-}.json" ${SNAC_ARGS:-}
 fi
 if [[ $STAGES == *",tp,"* ]]; then  # two GPUs: the engine at TP=2 vs TP=1 on the Orpheus LLM checkpoint
   stamp tp

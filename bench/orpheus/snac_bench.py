@@ -1,8 +1,15 @@
-"""SNAC 24 kHz window decodes on the GPU: ms per batch of 4-frame windows (28 codes), by
-dtype, eager vs CUDA graph; and the LLM-sized GEMM stream slowed by concurrent decodes.
+"""SNAC 24 kHz window decodes on the GPU, as the SNAC node runs them: ms per CUDA-graph replay of
+a batch of packed windows (StatelessEngine, the node's batch buckets), per variant, window length
+and batch; plus an eager decode's kernel count.
 
-    python bench/orpheus/snac_bench.py --root CKPT_ROOT --out $OUT/snac_bench.json
+    python bench/orpheus/snac_bench.py --root CKPT_ROOT --out $OUT/snac_bench.json \
+        [--variants graph,compile] [--codes 21,35] [--batches 1,2,4,8,16,32] [--dtype bfloat16]
+
+Variants: ``graph`` = the decoder's modules replayed in a CUDA graph (the node's default);
+``compile`` = the same under ``torch.compile`` (inductor, static shapes), then graphed.
 """
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -12,64 +19,79 @@ from pathlib import Path
 import torch
 
 from mstar.models.orpheus.snac import load_snac_decoder
+from mstar.models.orpheus.tokens import TOKENS_PER_FRAME
+from mstar.services.engines.stateless import StatelessEngine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def timed(fn, n=20) -> float:
+def replay_ms(engine: StatelessEngine, codes: int, batch: int, n: int = 50) -> float:
+    """Mean ms of engine.run on ``batch`` packed windows of ``codes`` codes (host -> GPU copy,
+    replay, output clone), synchronised at the end, as the node runs it."""
+    items = [torch.randint(0, 4096, (codes,), dtype=torch.int64) for _ in range(batch)]
     for _ in range(3):
-        fn()
+        engine.run(items)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):
-        fn()
+        engine.run(items)
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / n * 1e3
+
+
+def kernel_count(fn, x: torch.Tensor) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="graph,compile")
+    ap.add_argument("--codes", default="21,35")
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     args = ap.parse_args()
     path = Path(args.root) / "hubertsiuzdak" / "snac_24khz"
-    res = {"device": torch.cuda.get_device_name(), "decode_ms": {}}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        dec = load_snac_decoder(path, device="cuda")
-        dec = dec.to(dtype)
-        for b in (1, 4, 9, 16, 32):
-            codes = [torch.randint(0, 4096, (b, 4 * k), device="cuda") for k in (1, 2, 4)]
+    dec = load_snac_decoder(path, device="cuda", dtype=DTYPES[args.dtype])
+    batches = [int(b) for b in args.batches.split(",")]
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+                 "ms_per_replay": {}, "compile_s": {}, "eager_kernels": {}}
 
-            def run(dec=dec, codes=codes):
+    def decode_packed(packed: torch.Tensor) -> torch.Tensor:
+        f = packed.shape[1] // TOKENS_PER_FRAME
+        return dec.decode(list(packed.split([f, 2 * f, 4 * f], dim=1)), checked=True)
+
+    for variant in args.variants.split(","):
+        compiled = variant == "compile"
+        if compiled:  # one compile per (batch, window) shape: keep them all
+            for knob in ("cache_size_limit", "recompile_limit"):
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, 64)
+        engine = StatelessEngine(decode_packed, batches, compile=compiled, cuda_graphs=True, device="cuda")
+        for codes in (int(c) for c in args.codes.split(",")):
+            t = time.perf_counter()
+            for b in batches:  # capture (and compile) every bucket first
+                engine.run([torch.zeros(codes, dtype=torch.int64)] * b)
+            torch.cuda.synchronize()
+            res["compile_s"][f"{variant}_{codes}"] = time.perf_counter() - t
+            for b in batches:
+                ms = replay_ms(engine, codes, b)
+                res["ms_per_replay"][f"{variant}_{codes}_b{b}"] = ms
+                print(variant, codes, b, f"{ms:.3f} ms", flush=True)
+            if variant == "graph":
+                x = torch.randint(0, 4096, (1, codes), device="cuda")
                 with torch.inference_mode():
-                    return dec.decode(codes, checked=True)
-            try:
-                ms = timed(run)
-            except Exception as e:  # noqa: BLE001
-                ms = f"{type(e).__name__}: {e}"[:200]
-            res["decode_ms"][f"{str(dtype)[6:]}_b{b}"] = ms
-            print(dtype, b, ms, flush=True)
-        if dtype is torch.float32:
-            out = run()
-            ref = out.float()
-    # LLM-like weight streaming (a 3B model's GEMMs at batch 64) alone and with decodes alongside
-    w = torch.randn(3072 * 8, 3072 * 3, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(64, 3072 * 8, device="cuda", dtype=torch.bfloat16)
-    gemm = timed(lambda: x @ w, 50)
-    dec32 = load_snac_decoder(path, device="cuda")
-    codes = [torch.randint(0, 4096, (9, 4 * k), device="cuda") for k in (1, 2, 4)]
-    side = torch.cuda.Stream()
-
-    def both():
-        with torch.cuda.stream(side), torch.inference_mode():
-            dec32.decode(codes, checked=True)
-        for _ in range(20):
-            x @ w
-    both_ms = timed(both, 10)
-    res["gemm_alone_ms"] = gemm
-    res["gemm_x20_plus_snac_b9_ms"] = both_ms
-    res["snac_alone_b9_ms"] = res["decode_ms"]["float32_b9"]
+                    res["eager_kernels"][str(codes)] = kernel_count(decode_packed, x)
     print(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
-    del ref
 
 
 if __name__ == "__main__":
