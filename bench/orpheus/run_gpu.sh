@@ -3,7 +3,7 @@
 #   bash bench/orpheus/run_gpu.sh OUTDIR "BENCH_ARGS" [profile,snac,tp]
 # BENCH_ARGS go to bench_orpheus.py (e.g. --streams 1,16,64 --baseline-streams ""), once per
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>$SUFFIX.json); "profile" also
-# py-spies every process at 64 streams (profile_served.py); "snac" runs snac_bench.py first.
+# py-spies every process at 64 streams (profile_served.py); "snac" runs the SNAC GPU tests and snac_bench.py first.
 # "tp" runs bench/engines/tp_bench.py (two GPUs); "steps" engine_steps.py (the engine alone, per
 # sampling variant, batches $STEP_BATCHES); "tests" the engine's and the SNAC node's GPU tests (-> pytest_gpu.txt).
 # BENCH_ARGS "skip" runs no bench.
@@ -27,11 +27,14 @@ if [[ $STAGES == *",tests,"* ]]; then  # the engine's GPU tests and the fused sa
   stamp tests
   (cd tests/engines && python -m pytest . -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
    python -m pytest test_sample_triton.py -q -o addopts="" -p no:cacheprovider 2>&1 && \
-   cd ../orpheus && python -m pytest test_orpheus_snac.py -m gpu -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_gpu.txt" | tail -n 12
+   cd ../orpheus && python -m pytest test_orpheus_snac.py -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
+   python -m pytest test_snac_triton.py -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_gpu.txt" | tail -n 12
 fi
 cd bench/orpheus
 if [[ $STAGES == *",snac,"* ]]; then
   stamp snac
+  (cd "$REPO/tests/orpheus" && python -m pytest test_orpheus_snac.py -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
+   python -m pytest test_snac_triton.py -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_snac_gpu${SUFFIX:-}.txt" | tail -n 6
   python -c "from pathlib import Path; from bench_orpheus import SNAC_24K; from mstar.models.orpheus.demo_checkpoint import write_random_snac; write_random_snac(Path('/tmp/snac-ckpt/hubertsiuzdak/snac_24khz'), SNAC_24K)"
   python snac_bench.py --root /tmp/snac-ckpt --out "$OUT/snac_bench${SUFFIX:-}.json" ${SNAC_ARGS:-}
 fi

@@ -5,8 +5,10 @@ and batch; plus an eager decode's kernel count.
     python bench/orpheus/snac_bench.py --root CKPT_ROOT --out $OUT/snac_bench.json \
         [--variants graph,compile] [--codes 21,35] [--batches 1,2,4,8,16,32] [--dtype bfloat16]
 
-Variants: ``graph`` = the decoder's modules replayed in a CUDA graph (the node's default);
-``compile`` = the same under ``torch.compile`` (inductor, static shapes), then graphed.
+Variants: ``graph`` = the module decoder replayed in a CUDA graph (``snac_kernels: torch``);
+``triton`` = the fused channels-last decode (``snac_triton.py``, ``snac_kernels: triton``),
+graphed; ``compile`` = the module decoder under ``torch.compile`` (inductor, static shapes),
+graphed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mstar.models.orpheus.snac import load_snac_decoder
+from mstar.models.orpheus.snac_triton import SnacTritonDecoder
 from mstar.models.orpheus.tokens import TOKENS_PER_FRAME
 from mstar.services.engines.stateless import StatelessEngine
 
@@ -54,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default="graph,compile")
+    ap.add_argument("--variants", default="graph,triton")
     ap.add_argument("--codes", default="21,35")
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
@@ -65,9 +68,15 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
                  "ms_per_replay": {}, "compile_s": {}, "eager_kernels": {}}
 
+    fused = SnacTritonDecoder(dec)
+
     def decode_packed(packed: torch.Tensor) -> torch.Tensor:
         f = packed.shape[1] // TOKENS_PER_FRAME
         return dec.decode(list(packed.split([f, 2 * f, 4 * f], dim=1)), checked=True)
+
+    def decode_fused(packed: torch.Tensor) -> torch.Tensor:
+        f = packed.shape[1] // TOKENS_PER_FRAME
+        return fused.decode(list(packed.split([f, 2 * f, 4 * f], dim=1)))
 
     for variant in args.variants.split(","):
         compiled = variant == "compile"
@@ -75,7 +84,8 @@ def main() -> None:
             for knob in ("cache_size_limit", "recompile_limit"):
                 if hasattr(torch._dynamo.config, knob):
                     setattr(torch._dynamo.config, knob, 64)
-        engine = StatelessEngine(decode_packed, batches, compile=compiled, cuda_graphs=True, device="cuda")
+        fn = decode_fused if variant == "triton" else decode_packed
+        engine = StatelessEngine(fn, batches, compile=compiled, cuda_graphs=True, device="cuda")
         for codes in (int(c) for c in args.codes.split(",")):
             t = time.perf_counter()
             for b in batches:  # capture (and compile) every bucket first
@@ -86,10 +96,10 @@ def main() -> None:
                 ms = replay_ms(engine, codes, b)
                 res["ms_per_replay"][f"{variant}_{codes}_b{b}"] = ms
                 print(variant, codes, b, f"{ms:.3f} ms", flush=True)
-            if variant == "graph":
+            if variant in ("graph", "triton"):
                 x = torch.randint(0, 4096, (1, codes), device="cuda")
                 with torch.inference_mode():
-                    res["eager_kernels"][str(codes)] = kernel_count(decode_packed, x)
+                    res["eager_kernels"][f"{variant}_{codes}"] = kernel_count(fn, x)
     print(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -13,6 +13,8 @@ n + 3 frames every n frames, each emitting n frames (fewer decoded frames per em
 
 from __future__ import annotations
 
+import logging
+import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -25,6 +27,30 @@ from mstar.services.engines.stateless import StatelessEngine
 
 SNAC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SNAC_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+SNAC_KERNELS = ("auto", "triton", "torch")
+log = logging.getLogger(__name__)
+
+
+def snac_kernels(model_kwargs: dict, device: str) -> str:
+    """The ``snac_kernels`` knob resolved: "triton" (the fused channels-last decode of
+    ``snac_triton.py``) or "torch" (the module decoder). "auto" is triton on CUDA when triton
+    imports; asking for triton where it does not import raises."""
+    from mstar.services.engines.cuda_graphs import triton_unavailable_reason
+
+    name = model_kwargs.get("snac_kernels", "auto")
+    if name not in SNAC_KERNELS:
+        raise ValueError(f"model_kwargs.snac_kernels must be one of {', '.join(SNAC_KERNELS)}, got {name!r}")
+    if name == "torch" or (name == "auto" and not device.startswith("cuda")):
+        return "torch"
+    why = triton_unavailable_reason()
+    if why is None and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        why = f"the device is {device} (Triton kernels run on CUDA, or on a CPU under TRITON_INTERPRET=1)"
+    if why is None:
+        return "triton"
+    if name == "triton":
+        raise ValueError(f"model_kwargs.snac_kernels is triton but {why}")
+    log.warning("snac_kernels auto: the module decoder, not the fused Triton one: %s", why)
+    return "torch"
 
 
 class SnacNode(NodeSubmodule):
@@ -44,6 +70,14 @@ class SnacNode(NodeSubmodule):
         if name not in SNAC_DTYPES:
             raise ValueError(f"model_kwargs.snac_dtype must be one of {', '.join(SNAC_DTYPES)}, got {name!r}")
         self.decoder = load_snac_decoder(checkpoint, device=ctx.device, dtype=SNAC_DTYPES[name])
+        # snac_kernels: the fused Triton decode (auto on CUDA: ~50 launches a window instead of ~320,
+        # activations channels-last) or the module decoder
+        self.kernels = snac_kernels(ctx.model_kwargs, ctx.device)
+        self.fused = None
+        if self.kernels == "triton":
+            from mstar.models.orpheus.snac_triton import SnacTritonDecoder
+
+            self.fused = SnacTritonDecoder(self.decoder)
         self.samples_per_frame = self.decoder.config.samples_per_frame
         # SNAC's decoder adds fresh Gaussian noise on every decode (the reference does, so
         # we do by default); snac_noise: false leaves it out: audio then depends only on the codes
@@ -66,6 +100,8 @@ class SnacNode(NodeSubmodule):
         """[B, 7F] packed codes -> [B, 1, F * samples_per_frame] audio."""
         f = packed.shape[1] // TOKENS_PER_FRAME
         levels = list(packed.split([f, 2 * f, 4 * f], dim=1))
+        if self.fused is not None:
+            return self.fused.decode(levels, noise=self.noise)
         return self.decoder.decode(levels, checked=True, noise=self.noise)
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:

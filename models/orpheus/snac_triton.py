@@ -1,0 +1,305 @@
+"""SNAC's decode path in channels-last layout with fused Triton kernels (``snac_kernels: triton``).
+
+The module decoder (`snac.py`) runs ~320 kernels a window decode: every Snake is five
+elementwise passes, every residual unit a dozen launches. At serving batch sizes the windows'
+activations (up to 64-128 channels x 2,048 samples a frame) make those passes bandwidth-bound,
+and at small batches the launches dominate. Here activations are [B, T, C] (channels last) and
+each residual unit ``x + conv1x1(snake(dwconv7(snake(x))))`` is two launches:
+
+- ``_dwconv``: one program per (time tile, channel tile) loads its seven dilated taps of x, where
+  x itself may be the lazy sum ``a + s * z`` of the previous unit's input and 1x1 output (s: the
+  NoiseBlock's per-sample noise, or 1), applies Snake per tap, the depthwise conv and its bias,
+  then Snake again; it writes the unit's output y (and x, the next residual, from its centre tap);
+- the 1x1 conv is a GEMM over [B*T, C] with its bias (cuBLAS), whose output z stays unsummed
+  until the next ``_dwconv`` reads it.
+
+The transposed conv of each decoder block is a GEMM to every output phase at once ([B*T, 2r*C])
+followed by ``_fold`` (each output sample sums its two overlapping taps, plus the bias);
+the final Snake + k7 conv to one channel + tanh is ``_head``. Kernels compute in float32 and
+store in the decoder's dtype. The NoiseBlock's noise is drawn with ``torch.randn`` in the same
+shapes and order as the module decoder, so with the same seed both add the same noise. On a CPU
+the kernels run under ``TRITON_INTERPRET=1`` (the tests do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from .snac import DecoderBlock, NoiseBlock, ResidualUnit, SnacDecoder, Snake
+
+SNAKE_EPS = 1e-9  # snac's: x + sin(alpha x)^2 / (alpha + 1e-9)
+BLOCK_T = 32  # time steps a program covers (GPU); the tests also run larger tiles (fewer interpreted programs)
+
+
+@triton.jit
+def _snake(x, alpha, inv):
+    s = tl.sin(alpha * x)
+    return x + inv * s * s
+
+
+@triton.jit
+def _dwconv(a_ptr, z_ptr, s_ptr, x_ptr, y_ptr, aa_ptr, ia_ptr, w_ptr, bias_ptr, ab_ptr, ib_ptr,
+            T, C, dilation,
+            HAS_Z: tl.constexpr, HAS_S: tl.constexpr, WRITE_X: tl.constexpr, SNAKE_A: tl.constexpr,
+            SNAKE_B: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y = snake_b(dwconv_K(snake_a(x)) + bias), x = a + s * z (or a); [B, T, C] tensors, w [K, C]."""
+    n_t = tl.cdiv(T, BLOCK_T)
+    b = tl.program_id(0) // n_t
+    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    base = b.to(tl.int64) * T * C
+    if SNAKE_A:
+        aa = tl.load(aa_ptr + c, mask=cm, other=1.0)[None, :]
+        ia = tl.load(ia_ptr + c, mask=cm, other=0.0)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(K):
+        tt = t + (k - K // 2) * dilation
+        tm = (tt >= 0) & (tt < T)
+        m = tm[:, None] & cm[None, :]
+        off = base + tt[:, None] * C + c[None, :]
+        x = tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)  # zero padding: snake(0) = 0
+        if HAS_Z:
+            z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
+            if HAS_S:
+                x += tl.load(s_ptr + b * T + tt, mask=tm, other=0.0).to(tl.float32)[:, None] * z
+            else:
+                x += z
+        if WRITE_X:
+            if k == K // 2:
+                tl.store(x_ptr + off, x.to(x_ptr.dtype.element_ty), mask=m)
+        if SNAKE_A:
+            x = _snake(x, aa, ia)
+        acc += x * tl.load(w_ptr + k * C + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if SNAKE_B:
+        ab = tl.load(ab_ptr + c, mask=cm, other=1.0)[None, :]
+        ib = tl.load(ib_ptr + c, mask=cm, other=0.0)[None, :]
+        acc = _snake(acc, ab, ib)
+    tm = t < T
+    tl.store(y_ptr + base + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _fold(p_ptr, bias_ptr, out_ptr, T_in, T_out, C, pad,
+          STRIDE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Transposed conv (kernel 2 * STRIDE) from its per-phase GEMM p [B, T_in, 2 * STRIDE, C]:
+    output t sums input q // STRIDE at tap q % STRIDE and input q // STRIDE - 1 at tap
+    q % STRIDE + STRIDE (q = t + pad), plus the bias."""
+    n_t = tl.cdiv(T_out, BLOCK_T)
+    b = tl.program_id(0) // n_t
+    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    tm = t < T_out
+    q = t + pad
+    hi = q // STRIDE
+    k_hi = q - hi * STRIDE
+    row = b.to(tl.int64) * T_in
+    m_hi = (tm & (hi < T_in))[:, None] & cm[None, :]
+    m_lo = (tm & (hi >= 1) & (hi - 1 < T_in))[:, None] & cm[None, :]
+    acc = tl.load(p_ptr + ((row + hi[:, None]) * 2 * STRIDE + k_hi[:, None]) * C + c[None, :], mask=m_hi, other=0.0).to(tl.float32)
+    acc += tl.load(p_ptr + ((row + hi[:, None] - 1) * 2 * STRIDE + k_hi[:, None] + STRIDE) * C + c[None, :],
+                   mask=m_lo, other=0.0).to(tl.float32)
+    acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + (b.to(tl.int64) * T_out + t[:, None]) * C + c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _head(a_ptr, z_ptr, aa_ptr, ia_ptr, w_ptr, bias_ptr, out_ptr, T, C,
+          K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out [B, T] = tanh(conv_K(snake(a + z)) to one channel + bias); BLOCK_C >= C."""
+    n_t = tl.cdiv(T, BLOCK_T)
+    b = tl.program_id(0) // n_t
+    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < C
+    base = b.to(tl.int64) * T * C
+    aa = tl.load(aa_ptr + c, mask=cm, other=1.0)[None, :]
+    ia = tl.load(ia_ptr + c, mask=cm, other=0.0)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(K):
+        tt = t + (k - K // 2)
+        m = ((tt >= 0) & (tt < T))[:, None] & cm[None, :]
+        off = base + tt[:, None] * C + c[None, :]
+        x = tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32) + tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
+        acc += _snake(x, aa, ia) * tl.load(w_ptr + k * C + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1) + tl.load(bias_ptr).to(tl.float32)
+    y = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh
+    tl.store(out_ptr + b.to(tl.int64) * T + t, y.to(out_ptr.dtype.element_ty), mask=t < T)
+
+
+def _block_c(c: int) -> int:
+    return min(64, triton.next_power_of_2(c))
+
+
+@dataclass
+class _Snake:
+    alpha: torch.Tensor  # [C] float32
+    inv: torch.Tensor  # [C] float32: 1 / (alpha + 1e-9)
+
+    @classmethod
+    def of(cls, m: Snake) -> _Snake:
+        a = m.alpha.detach().reshape(-1).float()
+        return cls(a.contiguous(), (a + SNAKE_EPS).reciprocal().contiguous())
+
+
+@dataclass
+class _DepthwiseConv:
+    w: torch.Tensor  # [K, C]
+    bias: torch.Tensor  # [C]
+    dilation: int
+
+    @classmethod
+    def of(cls, m: nn.Conv1d) -> _DepthwiseConv:
+        k = m.kernel_size[0]
+        if m.groups != m.in_channels or m.in_channels != m.out_channels or m.padding[0] != (k // 2) * m.dilation[0] or k % 2 == 0:
+            raise ValueError(f"snac_kernels triton: expected a depthwise 'same' conv with an odd kernel, got {m}")
+        return cls(m.weight.detach().reshape(m.out_channels, k).t().contiguous(), m.bias.detach().contiguous(), m.dilation[0])
+
+
+@dataclass
+class _Unit:
+    snake_a: _Snake
+    dw: _DepthwiseConv
+    snake_b: _Snake
+    w: torch.Tensor  # [C, C] 1x1 conv
+    bias: torch.Tensor
+
+
+@dataclass
+class _Block:
+    snake: _Snake
+    w_phase: torch.Tensor  # [2r * C_out, C_in]: the transposed conv's taps as one GEMM
+    bias: torch.Tensor
+    stride: int
+    pad: int
+    output_padding: int
+    noise_w: torch.Tensor | None  # [C_out, C_out]
+    units: list[_Unit]
+
+
+def _linear_weight(m: nn.Conv1d) -> torch.Tensor:
+    if m.kernel_size[0] != 1 or m.groups != 1:
+        raise ValueError(f"snac_kernels triton: expected a 1x1 conv, got {m}")
+    return m.weight.detach()[:, :, 0].contiguous()
+
+
+class SnacTritonDecoder:
+    """A loaded ``SnacDecoder``'s weights rearranged for the fused channels-last decode. Decodes
+    exactly what ``SnacDecoder.decode`` decodes (same noise for the same RNG state)."""
+
+    def __init__(self, model: SnacDecoder, block_t: int | None = None):
+        self.block_t = block_t or BLOCK_T
+        cfg = model.config
+        if not cfg.depthwise:
+            raise ValueError("snac_kernels triton needs a depthwise SNAC decoder (config depthwise: true)")
+        self.config = cfg
+        self.dtype = next(model.parameters()).dtype
+        self.quantizers = model.quantizer.quantizers
+        layers = list(model.decoder.model)
+        self.start_dw = _DepthwiseConv.of(layers[0])
+        self.start_w, self.start_bias = _linear_weight(layers[1]), layers[1].bias.detach()
+        self.blocks: list[_Block] = []
+        for blk in layers[2:-3]:
+            assert isinstance(blk, DecoderBlock)
+            snake, convt, *rest = list(blk.block)
+            noise = rest.pop(0) if rest and isinstance(rest[0], NoiseBlock) else None
+            units = []
+            for ru in rest:
+                assert isinstance(ru, ResidualUnit)
+                sa, dw, sb, pw = list(ru.block)
+                units.append(_Unit(_Snake.of(sa), _DepthwiseConv.of(dw), _Snake.of(sb), _linear_weight(pw), pw.bias.detach()))
+            w = convt.weight.detach()  # [C_in, C_out, 2r]
+            if convt.kernel_size[0] != 2 * convt.stride[0]:
+                raise ValueError(f"snac_kernels triton: expected a transposed conv with kernel 2 x stride, got {convt}")
+            self.blocks.append(_Block(
+                _Snake.of(snake), w.permute(2, 1, 0).reshape(-1, w.shape[0]).contiguous(), convt.bias.detach(),
+                convt.stride[0], convt.padding[0], convt.output_padding[0],
+                noise.linear.weight.detach()[:, :, 0].contiguous() if noise is not None else None, units))
+        head_snake, head_conv, _tanh = layers[-3:]
+        self.head_snake = _Snake.of(head_snake)
+        self.head_w = head_conv.weight.detach()[0].t().contiguous()  # [K, C]
+        self.head_bias = head_conv.bias.detach()
+        self.head_k = head_conv.kernel_size[0]
+        self._ones: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- kernels ----------------------------------------------------------------------------
+    def _dwconv(self, a, z, s, dw: _DepthwiseConv | None, snake_a: _Snake | None, snake_b: _Snake | None,
+                write_x: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(x, y): x = a + s * z when write_x; y = snake_b(dw(snake_a(x))); dw None = identity (K 1)."""
+        B, T, C = a.shape
+        if dw is None:
+            w, bias = self._identity(C, a.device)
+            k, dilation = 1, 1
+        else:
+            w, bias, k, dilation = dw.w, dw.bias, dw.w.shape[0], dw.dilation
+        y = torch.empty_like(a)
+        x = torch.empty_like(a) if write_x else y
+        bc = _block_c(C)
+        none = a  # any tensor: unused pointers under false constexpr flags
+        _dwconv[(B * triton.cdiv(T, self.block_t), triton.cdiv(C, bc))](
+            a, z if z is not None else none, s if s is not None else none, x, y,
+            snake_a.alpha if snake_a else w, snake_a.inv if snake_a else w, w, bias,
+            snake_b.alpha if snake_b else w, snake_b.inv if snake_b else w,
+            T, C, dilation,
+            HAS_Z=z is not None, HAS_S=s is not None, WRITE_X=write_x, SNAKE_A=snake_a is not None,
+            SNAKE_B=snake_b is not None, K=k, BLOCK_T=self.block_t, BLOCK_C=bc)
+        return (x if write_x else None), y
+
+    def _identity(self, C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if C not in self._ones:
+            self._ones[C] = (torch.ones(1, C, device=device), torch.zeros(C, device=device))
+        return self._ones[C]
+
+    def _transposed(self, u: torch.Tensor, blk: _Block) -> torch.Tensor:
+        B, T, _ = u.shape
+        c_out = blk.bias.shape[0]
+        t_out = (T - 1) * blk.stride - 2 * blk.pad + 2 * blk.stride + blk.output_padding
+        phases = F.linear(u, blk.w_phase)  # [B, T, 2r * C_out]
+        out = torch.empty(B, t_out, c_out, device=u.device, dtype=u.dtype)
+        bc = _block_c(c_out)
+        _fold[(B * triton.cdiv(t_out, self.block_t), triton.cdiv(c_out, bc))](
+            phases, blk.bias, out, T, t_out, c_out, blk.pad, STRIDE=blk.stride, BLOCK_T=self.block_t, BLOCK_C=bc)
+        return out
+
+    # -- decode -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, codes: Sequence[torch.Tensor], *, generator: torch.Generator | None = None,
+               noise: bool = True) -> torch.Tensor:
+        """codes[i]: integer (B, T_i), already range-checked -> (B, 1, T * upsampling)."""
+        z = None
+        for q, c in zip(self.quantizers, codes, strict=True):  # codebook -> 1x1 conv -> repeat, summed
+            lv = F.linear(q.codebook(c.long()), q.out_proj.weight[:, :, 0], q.out_proj.bias)
+            lv = lv.repeat_interleave(q.stride, dim=1)
+            z = lv if z is None else z + lv
+        _, y = self._dwconv(z, None, None, self.start_dw, None, None, write_x=False)
+        a, zz, s = F.linear(y, self.start_w, self.start_bias), None, None
+        for blk in self.blocks:
+            _, u = self._dwconv(a, zz, s, None, blk.snake, None, write_x=False)
+            a, zz, s = self._transposed(u, blk), None, None
+            if blk.noise_w is not None and noise:
+                B, T, _ = a.shape  # the module decoder's draw: (B, 1, T) in the activations' dtype
+                s = torch.randn((B, 1, T), generator=generator, device=a.device, dtype=a.dtype)
+                zz = F.linear(a, blk.noise_w)
+            for unit in blk.units:
+                x, y = self._dwconv(a, zz, s, unit.dw, unit.snake_a, unit.snake_b, write_x=zz is not None)
+                a = x if x is not None else a
+                zz, s = F.linear(y, unit.w, unit.bias), None
+        B, T, C = a.shape
+        out = torch.empty(B, T, device=a.device, dtype=a.dtype)
+        if zz is None:
+            zz = torch.zeros_like(a)
+        _head[(B * triton.cdiv(T, self.block_t),)](a, zz, self.head_snake.alpha, self.head_snake.inv, self.head_w,
+                                               self.head_bias, out, T, C, K=self.head_k, BLOCK_T=self.block_t,
+                                               BLOCK_C=triton.next_power_of_2(C))
+        return out.unsqueeze(1)
