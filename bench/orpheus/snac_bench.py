@@ -7,7 +7,7 @@ and batch; plus an eager decode's kernel count.
 
 Variants: ``graph`` = the module decoder replayed in a CUDA graph (``snac_kernels: torch``);
 ``triton`` = the fused channels-last decode (``snac_triton.py``, ``snac_kernels: triton``),
-graphed; ``compile`` = the module decoder under ``torch.compile`` (inductor, static shapes),
+graphed (``triton@N``: time tiles of N); ``compile`` = the module decoder under ``torch.compile`` (inductor, static shapes),
 graphed.
 """
 
@@ -53,6 +53,25 @@ def kernel_count(fn, x: torch.Tensor) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def kernel_table(fn, x: torch.Tensor, top: int = 20) -> list[dict]:
+    """The ``top`` CUDA kernels of one eager call by total time: name, count, total us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x)
+        torch.cuda.synchronize()
+    sums: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            s = sums.setdefault(e.name[:120], [0, 0.0])
+            s[0] += 1
+            s[1] += e.device_time
+    rows = sorted(sums.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k, "count": c, "total_us": round(t, 1)} for k, (c, t) in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
@@ -61,6 +80,7 @@ def main() -> None:
     ap.add_argument("--codes", default="21,35")
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--profile-batch", type=int, default=0, help="also list each variant's top kernels at this batch")
     args = ap.parse_args()
     path = Path(args.root) / "hubertsiuzdak" / "snac_24khz"
     dec = load_snac_decoder(path, device="cuda", dtype=DTYPES[args.dtype])
@@ -68,15 +88,9 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
                  "ms_per_replay": {}, "compile_s": {}, "eager_kernels": {}}
 
-    fused = SnacTritonDecoder(dec)
-
     def decode_packed(packed: torch.Tensor) -> torch.Tensor:
         f = packed.shape[1] // TOKENS_PER_FRAME
         return dec.decode(list(packed.split([f, 2 * f, 4 * f], dim=1)), checked=True)
-
-    def decode_fused(packed: torch.Tensor) -> torch.Tensor:
-        f = packed.shape[1] // TOKENS_PER_FRAME
-        return fused.decode(list(packed.split([f, 2 * f, 4 * f], dim=1)))
 
     for variant in args.variants.split(","):
         compiled = variant == "compile"
@@ -84,7 +98,13 @@ def main() -> None:
             for knob in ("cache_size_limit", "recompile_limit"):
                 if hasattr(torch._dynamo.config, knob):
                     setattr(torch._dynamo.config, knob, 64)
-        fn = decode_fused if variant == "triton" else decode_packed
+        fn = decode_packed
+        if variant.startswith("triton"):  # "triton@64": time tiles of 64
+            fused = SnacTritonDecoder(dec, block_t=int(variant.partition("@")[2] or 0) or None)
+
+            def fn(packed: torch.Tensor, fused=fused) -> torch.Tensor:
+                f = packed.shape[1] // TOKENS_PER_FRAME
+                return fused.decode(list(packed.split([f, 2 * f, 4 * f], dim=1)))
         engine = StatelessEngine(fn, batches, compile=compiled, cuda_graphs=True, device="cuda")
         for codes in (int(c) for c in args.codes.split(",")):
             t = time.perf_counter()
@@ -96,10 +116,16 @@ def main() -> None:
                 ms = replay_ms(engine, codes, b)
                 res["ms_per_replay"][f"{variant}_{codes}_b{b}"] = ms
                 print(variant, codes, b, f"{ms:.3f} ms", flush=True)
-            if variant in ("graph", "triton"):
+            if variant == "graph" or variant.startswith("triton"):
                 x = torch.randint(0, 4096, (1, codes), device="cuda")
                 with torch.inference_mode():
                     res["eager_kernels"][f"{variant}_{codes}"] = kernel_count(fn, x)
+                    if args.profile_batch:
+                        xb = torch.randint(0, 4096, (args.profile_batch, codes), device="cuda")
+                        table = kernel_table(fn, xb)
+                        res.setdefault("kernels", {})[f"{variant}_{codes}_b{args.profile_batch}"] = table
+                        for row in table:
+                            print(variant, codes, row, flush=True)
     print(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
 

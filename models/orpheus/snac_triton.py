@@ -4,18 +4,19 @@ The module decoder (`snac.py`) runs ~320 kernels a window decode: every Snake is
 elementwise passes, every residual unit a dozen launches. At serving batch sizes the windows'
 activations (up to 64-128 channels x 2,048 samples a frame) make those passes bandwidth-bound,
 and at small batches the launches dominate. Here activations are [B, T, C] (channels last) and
-each residual unit ``x + conv1x1(snake(dwconv7(snake(x))))`` is two launches:
+each residual unit ``x + conv1x1(snake(dwconv7(snake(x))))`` is three launches:
 
-- ``_dwconv``: one program per (time tile, channel tile) loads its seven dilated taps of x, where
-  x itself may be the lazy sum ``a + s * z`` of the previous unit's input and 1x1 output (s: the
-  NoiseBlock's per-sample noise, or 1), applies Snake per tap, the depthwise conv and its bias,
-  then Snake again; it writes the unit's output y (and x, the next residual, from its centre tap);
+- ``_add_snake`` resolves the residual stream x, kept as the lazy sum ``a + s * z`` of the
+  previous unit's input and 1x1 output (s: the NoiseBlock's per-sample noise, or 1), writes it,
+  and writes u = snake(x): one Snake per element (a Snake per conv tap, 7x the ``sin``s, made
+  the conv kernel compute-bound);
+- ``_dwconv``: the depthwise dilated conv of u, its bias and the second Snake;
 - the 1x1 conv is a GEMM over [B*T, C] with its bias (cuBLAS), whose output z stays unsummed
-  until the next ``_dwconv`` reads it.
+  until the next ``_add_snake`` reads it.
 
 The transposed conv of each decoder block is a GEMM to every output phase at once ([B*T, 2r*C])
 followed by ``_fold`` (each output sample sums its two overlapping taps, plus the bias);
-the final Snake + k7 conv to one channel + tanh is ``_head``. Kernels compute in float32 and
+the final Snake is an ``_add_snake``, the k7 conv to one channel + tanh ``_head``. Kernels compute in float32 and
 store in the decoder's dtype. The NoiseBlock's noise is drawn with ``torch.randn`` in the same
 shapes and order as the module decoder, so with the same seed both add the same noise. On a CPU
 the kernels run under ``TRITON_INTERPRET=1`` (the tests do).
@@ -45,47 +46,56 @@ def _snake(x, alpha, inv):
 
 
 @triton.jit
-def _dwconv(a_ptr, z_ptr, s_ptr, x_ptr, y_ptr, aa_ptr, ia_ptr, w_ptr, bias_ptr, ab_ptr, ib_ptr,
-            T, C, dilation,
-            HAS_Z: tl.constexpr, HAS_S: tl.constexpr, WRITE_X: tl.constexpr, SNAKE_A: tl.constexpr,
-            SNAKE_B: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y = snake_b(dwconv_K(snake_a(x)) + bias), x = a + s * z (or a); [B, T, C] tensors, w [K, C]."""
+def _add_snake(a_ptr, z_ptr, s_ptr, x_ptr, u_ptr, alpha_ptr, inv_ptr, T, C,
+               HAS_Z: tl.constexpr, HAS_S: tl.constexpr, WRITE_X: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """u = snake(x) with x = a + s * z (s per (batch, time); or a + z, or a); x written if asked.
+    [B, T, C] tensors."""
+    n_t = tl.cdiv(T, BLOCK_T)
+    b = tl.program_id(0) // n_t
+    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    tm = t < T
+    m = tm[:, None] & cm[None, :]
+    off = b.to(tl.int64) * T * C + t[:, None] * C + c[None, :]
+    x = tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
+        if HAS_S:
+            x += tl.load(s_ptr + b * T + t, mask=tm, other=0.0).to(tl.float32)[:, None] * z
+        else:
+            x += z
+    if WRITE_X:
+        tl.store(x_ptr + off, x.to(x_ptr.dtype.element_ty), mask=m)
+    aa = tl.load(alpha_ptr + c, mask=cm, other=1.0)[None, :]
+    ia = tl.load(inv_ptr + c, mask=cm, other=0.0)[None, :]
+    tl.store(u_ptr + off, _snake(x, aa, ia).to(u_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dwconv(u_ptr, y_ptr, w_ptr, bias_ptr, alpha_ptr, inv_ptr, T, C, dilation,
+            SNAKE: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y = snake(dwconv_K(u) + bias) ("same" zero padding, dilated; snake optional); w [K, C]."""
     n_t = tl.cdiv(T, BLOCK_T)
     b = tl.program_id(0) // n_t
     t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     base = b.to(tl.int64) * T * C
-    if SNAKE_A:
-        aa = tl.load(aa_ptr + c, mask=cm, other=1.0)[None, :]
-        ia = tl.load(ia_ptr + c, mask=cm, other=0.0)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for k in tl.static_range(K):
         tt = t + (k - K // 2) * dilation
-        tm = (tt >= 0) & (tt < T)
-        m = tm[:, None] & cm[None, :]
-        off = base + tt[:, None] * C + c[None, :]
-        x = tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)  # zero padding: snake(0) = 0
-        if HAS_Z:
-            z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-            if HAS_S:
-                x += tl.load(s_ptr + b * T + tt, mask=tm, other=0.0).to(tl.float32)[:, None] * z
-            else:
-                x += z
-        if WRITE_X:
-            if k == K // 2:
-                tl.store(x_ptr + off, x.to(x_ptr.dtype.element_ty), mask=m)
-        if SNAKE_A:
-            x = _snake(x, aa, ia)
-        acc += x * tl.load(w_ptr + k * C + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        m = ((tt >= 0) & (tt < T))[:, None] & cm[None, :]
+        u = tl.load(u_ptr + base + tt[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += u * tl.load(w_ptr + k * C + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-    if SNAKE_B:
-        ab = tl.load(ab_ptr + c, mask=cm, other=1.0)[None, :]
-        ib = tl.load(ib_ptr + c, mask=cm, other=0.0)[None, :]
-        acc = _snake(acc, ab, ib)
-    tm = t < T
+    if SNAKE:
+        aa = tl.load(alpha_ptr + c, mask=cm, other=1.0)[None, :]
+        ia = tl.load(inv_ptr + c, mask=cm, other=0.0)[None, :]
+        acc = _snake(acc, aa, ia)
     tl.store(y_ptr + base + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tm[:, None] & cm[None, :])
+             mask=(t < T)[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -115,24 +125,20 @@ def _fold(p_ptr, bias_ptr, out_ptr, T_in, T_out, C, pad,
 
 
 @triton.jit
-def _head(a_ptr, z_ptr, aa_ptr, ia_ptr, w_ptr, bias_ptr, out_ptr, T, C,
-          K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out [B, T] = tanh(conv_K(snake(a + z)) to one channel + bias); BLOCK_C >= C."""
+def _head(u_ptr, w_ptr, bias_ptr, out_ptr, T, C, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out [B, T] = tanh(conv_K(u) to one channel + bias); BLOCK_C >= C."""
     n_t = tl.cdiv(T, BLOCK_T)
     b = tl.program_id(0) // n_t
     t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, BLOCK_C)
     cm = c < C
     base = b.to(tl.int64) * T * C
-    aa = tl.load(aa_ptr + c, mask=cm, other=1.0)[None, :]
-    ia = tl.load(ia_ptr + c, mask=cm, other=0.0)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for k in tl.static_range(K):
         tt = t + (k - K // 2)
         m = ((tt >= 0) & (tt < T))[:, None] & cm[None, :]
-        off = base + tt[:, None] * C + c[None, :]
-        x = tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32) + tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-        acc += _snake(x, aa, ia) * tl.load(w_ptr + k * C + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        u = tl.load(u_ptr + base + tt[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += u * tl.load(w_ptr + k * C + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1) + tl.load(bias_ptr).to(tl.float32)
     y = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh
     tl.store(out_ptr + b.to(tl.int64) * T + t, y.to(out_ptr.dtype.element_ty), mask=t < T)
@@ -231,35 +237,27 @@ class SnacTritonDecoder:
         self.head_w = head_conv.weight.detach()[0].t().contiguous()  # [K, C]
         self.head_bias = head_conv.bias.detach()
         self.head_k = head_conv.kernel_size[0]
-        self._ones: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- kernels ----------------------------------------------------------------------------
-    def _dwconv(self, a, z, s, dw: _DepthwiseConv | None, snake_a: _Snake | None, snake_b: _Snake | None,
-                write_x: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(x, y): x = a + s * z when write_x; y = snake_b(dw(snake_a(x))); dw None = identity (K 1)."""
+    def _add_snake(self, a, z, s, snake: _Snake, write_x: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, snake(x)) with x = a + s * z (a + z without s; a without z, then x is a itself)."""
         B, T, C = a.shape
-        if dw is None:
-            w, bias = self._identity(C, a.device)
-            k, dilation = 1, 1
-        else:
-            w, bias, k, dilation = dw.w, dw.bias, dw.w.shape[0], dw.dilation
-        y = torch.empty_like(a)
-        x = torch.empty_like(a) if write_x else y
+        u = torch.empty_like(a)
+        x = torch.empty_like(a) if write_x and z is not None else a
         bc = _block_c(C)
-        none = a  # any tensor: unused pointers under false constexpr flags
-        _dwconv[(B * triton.cdiv(T, self.block_t), triton.cdiv(C, bc))](
-            a, z if z is not None else none, s if s is not None else none, x, y,
-            snake_a.alpha if snake_a else w, snake_a.inv if snake_a else w, w, bias,
-            snake_b.alpha if snake_b else w, snake_b.inv if snake_b else w,
-            T, C, dilation,
-            HAS_Z=z is not None, HAS_S=s is not None, WRITE_X=write_x, SNAKE_A=snake_a is not None,
-            SNAKE_B=snake_b is not None, K=k, BLOCK_T=self.block_t, BLOCK_C=bc)
-        return (x if write_x else None), y
+        _add_snake[(B * triton.cdiv(T, self.block_t), triton.cdiv(C, bc))](
+            a, z if z is not None else a, s if s is not None else a, x, u, snake.alpha, snake.inv, T, C,
+            HAS_Z=z is not None, HAS_S=s is not None, WRITE_X=x is not a, BLOCK_T=self.block_t, BLOCK_C=bc)
+        return x, u
 
-    def _identity(self, C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if C not in self._ones:
-            self._ones[C] = (torch.ones(1, C, device=device), torch.zeros(C, device=device))
-        return self._ones[C]
+    def _dwconv(self, u: torch.Tensor, dw: _DepthwiseConv, snake: _Snake | None) -> torch.Tensor:
+        B, T, C = u.shape
+        y = torch.empty_like(u)
+        bc = _block_c(C)
+        _dwconv[(B * triton.cdiv(T, self.block_t), triton.cdiv(C, bc))](
+            u, y, dw.w, dw.bias, snake.alpha if snake else dw.w, snake.inv if snake else dw.w, T, C, dw.dilation,
+            SNAKE=snake is not None, K=dw.w.shape[0], BLOCK_T=self.block_t, BLOCK_C=bc)
+        return y
 
     def _transposed(self, u: torch.Tensor, blk: _Block) -> torch.Tensor:
         B, T, _ = u.shape
@@ -282,24 +280,21 @@ class SnacTritonDecoder:
             lv = F.linear(q.codebook(c.long()), q.out_proj.weight[:, :, 0], q.out_proj.bias)
             lv = lv.repeat_interleave(q.stride, dim=1)
             z = lv if z is None else z + lv
-        _, y = self._dwconv(z, None, None, self.start_dw, None, None, write_x=False)
-        a, zz, s = F.linear(y, self.start_w, self.start_bias), None, None
+        # the residual stream x is kept as the lazy sum a + s * z until _add_snake resolves it
+        a, zz, s = F.linear(self._dwconv(z, self.start_dw, None), self.start_w, self.start_bias), None, None
         for blk in self.blocks:
-            _, u = self._dwconv(a, zz, s, None, blk.snake, None, write_x=False)
+            _, u = self._add_snake(a, zz, s, blk.snake, write_x=False)
             a, zz, s = self._transposed(u, blk), None, None
             if blk.noise_w is not None and noise:
                 B, T, _ = a.shape  # the module decoder's draw: (B, 1, T) in the activations' dtype
                 s = torch.randn((B, 1, T), generator=generator, device=a.device, dtype=a.dtype)
                 zz = F.linear(a, blk.noise_w)
             for unit in blk.units:
-                x, y = self._dwconv(a, zz, s, unit.dw, unit.snake_a, unit.snake_b, write_x=zz is not None)
-                a = x if x is not None else a
-                zz, s = F.linear(y, unit.w, unit.bias), None
-        B, T, C = a.shape
-        out = torch.empty(B, T, device=a.device, dtype=a.dtype)
-        if zz is None:
-            zz = torch.zeros_like(a)
-        _head[(B * triton.cdiv(T, self.block_t),)](a, zz, self.head_snake.alpha, self.head_snake.inv, self.head_w,
-                                               self.head_bias, out, T, C, K=self.head_k, BLOCK_T=self.block_t,
-                                               BLOCK_C=triton.next_power_of_2(C))
+                a, u = self._add_snake(a, zz, s, unit.snake_a, write_x=True)
+                zz, s = F.linear(self._dwconv(u, unit.dw, unit.snake_b), unit.w, unit.bias), None
+        _, u = self._add_snake(a, zz, s, self.head_snake, write_x=False)
+        B, T, C = u.shape
+        out = torch.empty(B, T, device=u.device, dtype=u.dtype)
+        _head[(B * triton.cdiv(T, self.block_t),)](u, self.head_w, self.head_bias, out, T, C, K=self.head_k,
+                                                   BLOCK_T=self.block_t, BLOCK_C=triton.next_power_of_2(C))
         return out.unsqueeze(1)

