@@ -30,10 +30,11 @@ def main() -> None:
     runs = [json.loads(Path(f).read_text()) for f in args.files]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3)
-    for r in runs:
-        series = [(r["mstar"], label(r), "o-")]
+    for f, r in zip(args.files, runs, strict=True):
+        tag = f" [{Path(f).stem}]" if len(runs) > 1 else ""  # several runs: name each by its file
+        series = [(r["mstar"], label(r) + tag, "o-")]
         if r.get("baseline"):
-            series.append((r["baseline"], "transformers static + SNAC (batch)", "s--"))
+            series.append((r["baseline"], "transformers static + SNAC (batch)" + tag, "s--"))
         for pts, name, style in series:
             n, c = [p["streams"] for p in pts], next(colors)
             ax[0].plot(n, [p["rtf_p50"] for p in pts], style, color=c, label=name + " p50")
