@@ -46,15 +46,23 @@ def _snake(x, alpha, inv):
 
 
 @triton.jit
+def _tile(T, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's (batch row, time steps, channels): axis 0 walks batch x time tiles, axis 1
+    channel tiles."""
+    n_t = tl.cdiv(T, BLOCK_T)
+    b = tl.program_id(0) // n_t
+    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return b, t, c
+
+
+@triton.jit
 def _add_snake(a_ptr, z_ptr, s_ptr, x_ptr, u_ptr, alpha_ptr, inv_ptr, T, C,
                HAS_Z: tl.constexpr, HAS_S: tl.constexpr, WRITE_X: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """u = snake(x) with x = a + s * z (s per (batch, time); or a + z, or a); x written if asked.
     [B, T, C] tensors."""
-    n_t = tl.cdiv(T, BLOCK_T)
-    b = tl.program_id(0) // n_t
-    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b, t, c = _tile(T, BLOCK_T, BLOCK_C)
     cm = c < C
     tm = t < T
     m = tm[:, None] & cm[None, :]
@@ -77,10 +85,7 @@ def _add_snake(a_ptr, z_ptr, s_ptr, x_ptr, u_ptr, alpha_ptr, inv_ptr, T, C,
 def _dwconv(u_ptr, y_ptr, w_ptr, bias_ptr, alpha_ptr, inv_ptr, T, C, dilation,
             SNAKE: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """y = snake(dwconv_K(u) + bias) ("same" zero padding, dilated; snake optional); w [K, C]."""
-    n_t = tl.cdiv(T, BLOCK_T)
-    b = tl.program_id(0) // n_t
-    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b, t, c = _tile(T, BLOCK_T, BLOCK_C)
     cm = c < C
     base = b.to(tl.int64) * T * C
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
@@ -104,10 +109,7 @@ def _fold(p_ptr, bias_ptr, out_ptr, T_in, T_out, C, pad,
     """Transposed conv (kernel 2 * STRIDE) from its per-phase GEMM p [B, T_in, 2 * STRIDE, C]:
     output t sums input q // STRIDE at tap q % STRIDE and input q // STRIDE - 1 at tap
     q % STRIDE + STRIDE (q = t + pad), plus the bias."""
-    n_t = tl.cdiv(T_out, BLOCK_T)
-    b = tl.program_id(0) // n_t
-    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b, t, c = _tile(T_out, BLOCK_T, BLOCK_C)
     cm = c < C
     tm = t < T_out
     q = t + pad
@@ -127,10 +129,7 @@ def _fold(p_ptr, bias_ptr, out_ptr, T_in, T_out, C, pad,
 @triton.jit
 def _head(u_ptr, w_ptr, bias_ptr, out_ptr, T, C, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """out [B, T] = tanh(conv_K(u) to one channel + bias); BLOCK_C >= C."""
-    n_t = tl.cdiv(T, BLOCK_T)
-    b = tl.program_id(0) // n_t
-    t = (tl.program_id(0) % n_t) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.arange(0, BLOCK_C)
+    b, t, c = _tile(T, BLOCK_T, BLOCK_C)  # one channel tile: program_id(1) is 0
     cm = c < C
     base = b.to(tl.int64) * T * C
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
