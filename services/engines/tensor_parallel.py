@@ -92,3 +92,7 @@ class TensorParallel:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # drop our references too: the groups' C++ objects (and gloo's worker threads) are then
+        # destroyed here, not during interpreter teardown, where a still-joinable thread aborts
+        # the process ("terminate called without an active exception", exit -6)
+        self.group = self.commands = None
