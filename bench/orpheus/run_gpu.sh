@@ -23,18 +23,19 @@ stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 save_jit() { tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null; }  # after each stage: a cut-off call keeps it
 LIMIT=${LIMIT:-570}  # the device call's limit: the profile gets what is left
 REPO=$PWD
+snac_tests() {  # the SNAC node's GPU tests and the fused SNAC decode's tests on CUDA
+  (cd "$REPO/tests/orpheus" && python -m pytest test_orpheus_snac.py -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
+   python -m pytest test_snac_triton.py -q -o addopts="" -p no:cacheprovider 2>&1)
+}
 if [[ $STAGES == *",tests,"* ]]; then  # the engine's GPU tests and the fused sampler's tests on CUDA
   stamp tests
   (cd tests/engines && python -m pytest . -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
-   python -m pytest test_sample_triton.py -q -o addopts="" -p no:cacheprovider 2>&1 && \
-   cd ../orpheus && python -m pytest test_orpheus_snac.py -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
-   python -m pytest test_snac_triton.py -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_gpu.txt" | tail -n 12
+   python -m pytest test_sample_triton.py -q -o addopts="" -p no:cacheprovider 2>&1 && snac_tests) | tee "$OUT/pytest_gpu.txt" | tail -n 12
 fi
 cd bench/orpheus
 if [[ $STAGES == *",snac,"* ]]; then
   stamp snac
-  (cd "$REPO/tests/orpheus" && python -m pytest test_orpheus_snac.py -m gpu -q -o addopts="" -p no:cacheprovider 2>&1 && \
-   python -m pytest test_snac_triton.py -q -o addopts="" -p no:cacheprovider 2>&1) | tee "$OUT/pytest_snac_gpu${SUFFIX:-}.txt" | tail -n 6
+  snac_tests | tee "$OUT/pytest_snac_gpu${SUFFIX:-}.txt" | tail -n 6
   python -c "from pathlib import Path; from bench_orpheus import SNAC_24K; from mstar.models.orpheus.demo_checkpoint import write_random_snac; write_random_snac(Path('/tmp/snac-ckpt/hubertsiuzdak/snac_24khz'), SNAC_24K)"
   python snac_bench.py --root /tmp/snac-ckpt --out "$OUT/snac_bench${SUFFIX:-}.json" ${SNAC_ARGS:-}
 fi

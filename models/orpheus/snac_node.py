@@ -55,10 +55,10 @@ def snac_kernels(model_kwargs: dict, device: str) -> str:
 
 class SnacNode(NodeSubmodule):
     """Windows go through the stateless engine as one packed int64 row each (levels 0, 1, 2
-    concatenated: F + 2F + 4F codes); on CUDA, full windows replay CUDA graphs captured per
-    batch bucket at start (an eager decode is ~170 small kernels: 3.7 ms of launches on an
-    H100 whatever the batch), first windows too, on their own stream so they overlap the
-    LLM's steps."""
+    concatenated: F + 2F + 4F codes); on CUDA, full and first windows replay CUDA graphs
+    captured per batch bucket at start (a window decode is ~320 kernels with the module
+    decoder, 71 with the fused one: launch-bound when eager), on their own stream so they
+    overlap the LLM's steps."""
 
     blocking = True
 
@@ -72,9 +72,8 @@ class SnacNode(NodeSubmodule):
         self.decoder = load_snac_decoder(checkpoint, device=ctx.device, dtype=SNAC_DTYPES[name])
         # snac_kernels: the fused Triton decode (auto on CUDA: ~71 kernels a window instead of ~320,
         # activations channels-last) or the module decoder
-        self.kernels = snac_kernels(ctx.model_kwargs, ctx.device)
         self.fused = None
-        if self.kernels == "triton":
+        if snac_kernels(ctx.model_kwargs, ctx.device) == "triton":
             from mstar.models.orpheus.snac_triton import SnacTritonDecoder
 
             self.fused = SnacTritonDecoder(self.decoder)

@@ -166,9 +166,8 @@ class _DepthwiseConv:
 
     @classmethod
     def of(cls, m: nn.Conv1d) -> _DepthwiseConv:
-        k = m.kernel_size[0]
-        if m.groups != m.in_channels or m.in_channels != m.out_channels or m.padding[0] != (k // 2) * m.dilation[0] or k % 2 == 0:
-            raise ValueError(f"snac_kernels triton: expected a depthwise 'same' conv with an odd kernel, got {m}")
+        k = m.kernel_size[0]  # snac.py builds depthwise "same" convs with odd kernels
+        assert m.groups == m.in_channels == m.out_channels and k % 2 and m.padding[0] == (k // 2) * m.dilation[0], m
         return cls(m.weight.detach().reshape(m.out_channels, k).t().contiguous(), m.bias.detach().contiguous(), m.dilation[0])
 
 
@@ -194,8 +193,7 @@ class _Block:
 
 
 def _linear_weight(m: nn.Conv1d) -> torch.Tensor:
-    if m.kernel_size[0] != 1 or m.groups != 1:
-        raise ValueError(f"snac_kernels triton: expected a 1x1 conv, got {m}")
+    assert m.kernel_size[0] == 1 and m.groups == 1, m
     return m.weight.detach()[:, :, 0].contiguous()
 
 
@@ -205,11 +203,8 @@ class SnacTritonDecoder:
 
     def __init__(self, model: SnacDecoder, block_t: int | None = None):
         self.block_t = block_t or BLOCK_T
-        cfg = model.config
-        if not cfg.depthwise:
+        if not model.config.depthwise:
             raise ValueError("snac_kernels triton needs a depthwise SNAC decoder (config depthwise: true)")
-        self.config = cfg
-        self.dtype = next(model.parameters()).dtype
         self.quantizers = model.quantizer.quantizers
         layers = list(model.decoder.model)
         self.start_dw = _DepthwiseConv.of(layers[0])
@@ -225,8 +220,7 @@ class SnacTritonDecoder:
                 sa, dw, sb, pw = list(ru.block)
                 units.append(_Unit(_Snake.of(sa), _DepthwiseConv.of(dw), _Snake.of(sb), _linear_weight(pw), pw.bias.detach()))
             w = convt.weight.detach()  # [C_in, C_out, 2r]
-            if convt.kernel_size[0] != 2 * convt.stride[0]:
-                raise ValueError(f"snac_kernels triton: expected a transposed conv with kernel 2 x stride, got {convt}")
+            assert convt.kernel_size[0] == 2 * convt.stride[0], convt  # _fold sums exactly two taps
             self.blocks.append(_Block(
                 _Snake.of(snake), w.permute(2, 1, 0).reshape(-1, w.shape[0]).contiguous(), convt.bias.detach(),
                 convt.stride[0], convt.padding[0], convt.output_padding[0],

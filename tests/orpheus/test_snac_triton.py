@@ -80,6 +80,18 @@ def test_snac_kernels_triton_on_a_cpu_without_the_interpreter_is_refused(monkeyp
         snac_kernels({"snac_kernels": "triton"}, "cpu")
 
 
+def test_snac_kernels_without_triton(monkeypatch, caplog):
+    """auto falls back to the module decoder with a warning naming why; triton refuses."""
+    import mstar.services.engines.cuda_graphs as cg
+
+    monkeypatch.setattr(cg, "triton_unavailable_reason", lambda: "triton does not import (test)")
+    with caplog.at_level("WARNING"):
+        assert snac_kernels({}, "cuda:0") == "torch"
+    assert "triton does not import (test)" in caplog.text
+    with pytest.raises(ValueError, match=r"snac_kernels is triton but triton does not import \(test\)"):
+        snac_kernels({"snac_kernels": "triton"}, "cuda:0")
+
+
 def test_the_fused_decoder_needs_a_depthwise_snac(module_decoder):
     import dataclasses
 
