@@ -78,6 +78,7 @@ def run(engine, batch: int, params: SamplingParams, profile: bool) -> dict:
         k += 1
     full = [t for t, n in times if n == batch]
     out = {"batch": batch, "steps": len(times), "full_steps": len(full), "step_ms_p50": 1e3 * statistics.median(full),
+           "step_ms_mean": 1e3 * statistics.mean(full),
            "tokens_per_s": batch / statistics.median(full), "pipelined_steps": engine.stats.pipelined_steps - pipelined0,
            "first_window_ms_p50": 1e3 * statistics.median(window_at)}
     if profile:

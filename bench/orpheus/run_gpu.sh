@@ -5,7 +5,8 @@
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>$SUFFIX.json); "profile" also
 # py-spies every process at 64 streams (profile_served.py); "snac" runs the SNAC GPU tests and snac_bench.py first.
 # "tp" runs bench/engines/tp_bench.py (two GPUs); "steps" engine_steps.py (the engine alone, per
-# sampling variant, batches $STEP_BATCHES); "tests" the engine's and the SNAC node's GPU tests (-> pytest_gpu.txt).
+# sampling variant, batches $STEP_BATCHES); "tests" the engine's and the SNAC node's GPU tests (-> pytest_gpu.txt);
+# "trace" a kernel trace of every process at $TRACE_STREAMS streams (trace_served.py, -> trace$SUFFIX.json).
 # BENCH_ARGS "skip" runs no bench.
 # Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
 set -u -o pipefail
@@ -47,6 +48,13 @@ fi
 if [[ $STAGES == *",steps,"* ]]; then  # the LLM engine alone: step time per sampling variant (engine_steps.py)
   stamp steps
   python engine_steps.py --root /tmp/orpheus-ckpt --out "$OUT/engine_steps${SUFFIX:-}.json" --batches ${STEP_BATCHES:-16,128} 2>&1 | grep -v Warning
+  save_jit
+fi
+if [[ $STAGES == *",trace,"* ]]; then  # a kernel trace of every process at $TRACE_STREAMS streams (trace_served.py)
+  stamp trace
+  python -c "from pathlib import Path; from bench_orpheus import write_checkpoints as w; r = Path('/tmp/orpheus-ckpt'); (r / 'hubertsiuzdak').exists() or w(r, tiny=False)"
+  MSTAR_GPU_TRACE=/tmp/gpu-trace,0.4 PYTHONPATH=$REPO/bench/orpheus/gpu_trace:$PYTHONPATH \
+    python trace_served.py --root /tmp/orpheus-ckpt --out "$OUT/trace${SUFFIX:-}.json" --streams ${TRACE_STREAMS:-16} ${TRACE_ARGS:-} 2>&1 | grep -v Warning | tail -60
   save_jit
 fi
 [[ $ARGS == skip ]] && PLACEMENTS=none
