@@ -227,6 +227,8 @@ def main() -> None:
     ap.add_argument("--graph-attention", default="auto", help="EngineConfig.graph_attention: auto | flashinfer | triton")
     ap.add_argument("--compare-graph-attention", default="",
                     help="also run a second engine with this graph_attention at --compare-batches (same run)")
+    ap.add_argument("--compare-config", default="",
+                    help='JSON of EngineConfig fields for another engine at --compare-batches (same run), e.g. {"fused_mlp": "off"}')
     ap.add_argument("--compare-batches", default="1,16,64")
     args = ap.parse_args()
     t_begin = time.time()
@@ -258,6 +260,7 @@ def main() -> None:
     eng = KVCacheEngine(ours, cfg)
     r["engine_init_s"] = time.time() - t0
     r["cuda_graphs"], r["overlap"], r["kernels"] = eng.cuda_graphs, eng.overlap, eng.ops.name
+    r["fused_mlp"] = eng.ops.mlp_down is not None
     graphs = eng.runner.graphs
     r["graph_attention"] = {str(b): a for b, a in graphs.attention.items()} if graphs else None
     r["sanity_vs_transformers"] = sanity(hf, eng, gen)
@@ -288,23 +291,30 @@ def main() -> None:
         print("ours_no_overlap", b, json.dumps(r["ours_no_overlap"][str(b)]), flush=True)
     eng.overlap = True
     save()
-    if args.compare_graph_attention:  # the same model and run, decode attention in graphs swapped
-        alt = args.compare_graph_attention
+    compares = []
+    if args.compare_graph_attention:
+        compares.append((f"ours_graph_attention_{args.compare_graph_attention}",
+                         {"graph_attention": args.compare_graph_attention}))
+    if args.compare_config:
+        change = json.loads(args.compare_config)
+        compares.append(("ours_" + "_".join(f"{k}_{v}" for k, v in change.items()), change))
+    for label, change in compares:  # the same model and run, one EngineConfig field changed
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-        eng = KVCacheEngine(ours, dataclasses.replace(cfg, graph_attention=alt))
+        eng = KVCacheEngine(ours, dataclasses.replace(cfg, **change))
         graphs = eng.runner.graphs
-        res = {"graph_attention": {str(b): a for b, a in graphs.attention.items()} if graphs else None}
+        res = {"config_change": change,
+               "graph_attention": {str(b): a for b, a in graphs.attention.items()} if graphs else None}
         for b in map(int, args.compare_batches.split(",")):
             res[str(b)] = run_ours(eng, b, args.prompt, args.new, gen)
             res[str(b)]["ours_default_over_this"] = r["ours"][str(b)]["decode_step_ms_median"] / res[str(b)][
                 "decode_step_ms_median"] if str(b) in r["ours"] else None
-            print("compare", alt, b, json.dumps(res[str(b)]), flush=True)
+            print("compare", label, b, json.dumps(res[str(b)]), flush=True)
         if dev == "cuda":
             res["device_breakdown"] = [device_breakdown(eng, b, args.prompt + args.new // 2, gen) for b in (1, 16, 64)]
             print("compare breakdown", json.dumps(res["device_breakdown"]), flush=True)
-        r[f"ours_graph_attention_{alt}"] = res
+        r[label] = res
         save()
     r["hf_static"] = {}
     longest = 0.0

@@ -74,15 +74,15 @@ def analyze(folder: Path, step_marker: str) -> dict:
     if "llm_engine" in clip:
         iv = clip["llm_engine"]
         marks = [a for a, _, n in iv if step_marker in n]
-        periods = [(b - a) / 1e3 for a, b in zip(marks, marks[1:])]
+        periods = [(b - a) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
         res["llm_steps"] = len(periods)
         res["llm_step_period_ms_mean"] = statistics.mean(periods)
         res["llm_step_period_ms_p50"] = statistics.median(periods)
         res["llm_step_period_ms_max"] = max(periods)
         u = unions["llm_engine"]
-        busy = [sum(max(0.0, min(b, m2) - max(a, m1)) for a, b in u) / 1e3 for m1, m2 in zip(marks, marks[1:])]
+        busy = [sum(max(0.0, min(b, m2) - max(a, m1)) for a, b in u) / 1e3 for m1, m2 in zip(marks, marks[1:], strict=False)]
         res["llm_busy_ms_per_step_mean"] = statistics.mean(busy)
-        gaps = [(b1, a2) for (_, b1), (a2, _) in zip(u, u[1:])]
+        gaps = [(b1, a2) for (_, b1), (a2, _) in zip(u, u[1:], strict=False)]
         big = [(a, b) for a, b in gaps if b - a > 5]
         res["llm_gap_ms_per_step"] = sum(b - a for a, b in gaps) / 1e3 / max(1, len(periods))
         res["llm_gaps_over_5us"] = len(big)
