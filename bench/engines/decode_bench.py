@@ -228,7 +228,7 @@ def main() -> None:
     ap.add_argument("--compare-graph-attention", default="",
                     help="also run a second engine with this graph_attention at --compare-batches (same run)")
     ap.add_argument("--compare-config", default="",
-                    help='JSON of EngineConfig fields for another engine at --compare-batches (same run), e.g. {"fused_mlp": "off"}')
+                    help='JSON of EngineConfig fields for another engine at --compare-batches (same run), e.g. {"graph_attention": "flashinfer"}')
     ap.add_argument("--compare-batches", default="1,16,64")
     args = ap.parse_args()
     t_begin = time.time()
@@ -260,7 +260,6 @@ def main() -> None:
     eng = KVCacheEngine(ours, cfg)
     r["engine_init_s"] = time.time() - t0
     r["cuda_graphs"], r["overlap"], r["kernels"] = eng.cuda_graphs, eng.overlap, eng.ops.name
-    r["fused_mlp"] = eng.ops.mlp_down is not None
     graphs = eng.runner.graphs
     r["graph_attention"] = {str(b): a for b, a in graphs.attention.items()} if graphs else None
     r["sanity_vs_transformers"] = sanity(hf, eng, gen)

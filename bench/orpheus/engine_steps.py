@@ -92,23 +92,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="16,128")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks this script, measures nothing")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of: " + ", ".join(VARIANTS))
-    ap.add_argument("--fused-mlp", default="auto", choices=("auto", "on", "off"), help="EngineConfig.fused_mlp")
     args = ap.parse_args()
     root = Path(args.root)
     if not (root / "hubertsiuzdak").exists():
         write_checkpoints(root, tiny=args.tiny)
     ckpt = root / "canopylabs" / "orpheus-3b-0.1-ft"
     dev = "cpu" if args.tiny else "cuda:0"
-    kw = {"gpu_memory_fraction": 0.8, "max_num_seqs": 256, "fused_mlp": args.fused_mlp,
-          **({"kv_cache_bytes": 64 << 20} if args.tiny else {})}
+    kw = {"gpu_memory_fraction": 0.8, "max_num_seqs": 256, **({"kv_cache_bytes": 64 << 20} if args.tiny else {})}
     engine = build_engine(ckpt, dev, engine_config(NodeContext("llm", dev, None, kw)))
     res = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu", "torch": torch.__version__,
-           "prompt": PROMPT, "new_tokens": NEW, "fused_mlp": args.fused_mlp,
-           "mlp_down_kernel": engine.ops.mlp_down is not None, "runs": []}
+           "prompt": PROMPT, "new_tokens": NEW, "runs": []}
     run(engine, 8, ORPHEUS, False)  # warm-up
     for b in [1] + [int(x) for x in args.batches.split(",")]:
-        for name, params in ((v, VARIANTS[v]) for v in args.variants.split(",")):
+        for name, params in VARIANTS.items():
             head, fused = engine._head_cols, engine.sampler._fused
             if name == "orpheus_full_head":
                 engine._head_cols = None

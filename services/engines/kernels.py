@@ -10,9 +10,7 @@ add fused in), rotary embedding, SiLU·mul, and storing new K/V in the paged cac
   kernel per call); kept to measure against FlashInfer.
 
 A decode step runs these 5 calls per layer between the 4 GEMMs and attention, so on a GPU
-their launch count, not their bytes, is what they cost. ``mlp_down`` (None, or with
-``with_mlp_down`` the Triton kernel of ``mlp_triton.py``) also takes the MLP's SiLU·mul and
-down projection into one launch at decode sizes.
+their launch count, not their bytes, is what they cost.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:  # layers imports this module
     from mstar.services.engines.layers import RotaryEmbedding
-    from mstar.services.engines.mlp_triton import SiluMulDown
 
 KNOWN = ("auto", "torch", "flashinfer", "compile")
 
@@ -34,7 +31,6 @@ class Ops(Protocol):
     name: str
     in_place: bool  # add_rms_norm / rope may overwrite their inputs
     position_table: bool  # rope reads RotaryEmbedding.cos_sin_cache: positions < its max_positions
-    mlp_down: SiluMulDown | None  # fused SiLU·mul + down projection for decode-sized passes
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -96,7 +92,6 @@ class TorchOps:
     name = "torch"
     in_place = False
     position_table = False
-    mlp_down = None
 
     def rms_norm(self, x, weight, eps):
         return rms_norm_ref(x, weight, eps)
@@ -142,7 +137,6 @@ class FlashInferOps:
     name = "flashinfer"
     in_place = True
     position_table = True
-    mlp_down = None
 
     def __init__(self):
         from mstar.services.engines.attn_flashinfer import _import_flashinfer
@@ -174,7 +168,6 @@ class CompiledOps:
     name = "compile"
     in_place = False
     position_table = False
-    mlp_down = None
 
     def __init__(self):
         self._rms = torch.compile(rms_norm_ref)
@@ -196,39 +189,6 @@ class CompiledOps:
 
     def store_kv(self, kv_layer, slots, k, v):
         _store_kv_fused(kv_layer, slots, k, v)
-
-
-class WithMlpDown:
-    """``base``'s kernels plus the fused SiLU·mul + down projection (``mlp_triton.SiluMulDown``)."""
-
-    def __init__(self, base: Ops, mlp_down: SiluMulDown):
-        self._base, self.mlp_down = base, mlp_down
-        self.name, self.in_place, self.position_table = base.name, base.in_place, base.position_table
-
-    def __getattr__(self, attr: str):
-        return getattr(self._base, attr)
-
-
-MLP_DOWN = ("auto", "on", "off")
-
-
-def with_mlp_down(ops: Ops, setting: str, device: torch.device | str, dtype: torch.dtype) -> Ops:
-    """``ops`` with the fused MLP tail per ``EngineConfig.fused_mlp``: auto (on CUDA in fp16 /
-    bf16 when triton imports), on (raises naming why it cannot), off."""
-    if setting not in MLP_DOWN:
-        raise ValueError(f"EngineConfig.fused_mlp: '{setting}' is not one of {', '.join(MLP_DOWN)}")
-    if setting == "off":
-        return ops
-    from mstar.services.engines.cuda_graphs import triton_unavailable_reason
-
-    why_not = fused_unavailable_reason(torch.device(device), dtype) or triton_unavailable_reason()
-    if why_not and setting == "auto":
-        return ops
-    if why_not:
-        raise ValueError(f"fused_mlp='on' unavailable: {why_not}")
-    from mstar.services.engines.mlp_triton import SiluMulDown
-
-    return WithMlpDown(ops, SiluMulDown())
 
 
 def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -32,9 +32,8 @@ from mstar.services.engines.cuda_graphs import (
     graphs_unavailable_reason,
 )
 from mstar.services.engines.direct import ForwardItem, run_direct
-from mstar.services.engines.kernels import MLP_DOWN, make_ops, with_mlp_down
+from mstar.services.engines.kernels import make_ops
 from mstar.services.engines.kv_cache import PagedKVCache
-from mstar.services.engines.layers import set_down_row_major
 from mstar.services.engines.model_runner import ModelRunner, PagedDecoder
 from mstar.services.engines.pages import OutOfPages
 from mstar.services.engines.sampling import Sampler, SamplingParams
@@ -76,9 +75,6 @@ class EngineConfig:
     # steps whose rows all draw from small allowed sets sample in one Triton kernel
     # (sample_triton.py): auto (on CUDA when triton imports) | on | off (the torch sampler)
     fused_sampler: str = "auto"
-    # decode-sized passes run the MLP's SiLU·mul + down projection as one Triton kernel
-    # (mlp_triton.py): auto (on CUDA in fp16 / bf16 when triton imports) | on | off
-    fused_mlp: str = "auto"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -86,8 +82,6 @@ class EngineConfig:
                              f"{', '.join(GRAPH_ATTENTION)}")
         if self.fused_sampler not in FUSED_SAMPLER:
             raise ValueError(f"EngineConfig.fused_sampler: '{self.fused_sampler}' is not one of {', '.join(FUSED_SAMPLER)}")
-        if self.fused_mlp not in MLP_DOWN:
-            raise ValueError(f"EngineConfig.fused_mlp: '{self.fused_mlp}' is not one of {', '.join(MLP_DOWN)}")
 
 
 @dataclass
@@ -129,9 +123,7 @@ class KVCacheEngine:
         spec = model.config.kv_spec(config.page_size, p.dtype)  # type: ignore[attr-defined]
         self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction, tp)
         backend = make_backend(config.attention, model.config.heads, p.device, p.dtype, config.page_size)
-        self.ops = with_mlp_down(make_ops(config.kernels, p.device, p.dtype), config.fused_mlp, p.device, p.dtype)
-        if self.ops.mlp_down is not None:
-            set_down_row_major(model)  # type: ignore[arg-type]  # the fused MLP tail's fast layout
+        self.ops = make_ops(config.kernels, p.device, p.dtype)
         why_no_graphs = graphs_unavailable_reason(p.device, backend.name)
         graphs = None
         if config.cuda_graphs and why_no_graphs:

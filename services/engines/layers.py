@@ -128,12 +128,7 @@ class GatedMLP(nn.Module):
         return {"gate_up_proj.weight": 0, "gate_up_proj.bias": 0, "down_proj.weight": 1}
 
     def forward(self, x: torch.Tensor, ops: Ops = TORCH_OPS) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        fused = ops.mlp_down
-        if fused is not None and fused.applies(gate_up.shape[0]):  # decode sizes: one kernel for the tail
-            out = fused(gate_up, self.down_proj.weight, self.down_proj.bias)
-        else:
-            out = self.down_proj(ops.silu_and_mul(gate_up))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -222,11 +217,3 @@ def set_weight_layout(module: nn.Module, column_major: bool) -> None:
                     w = lin.weight
                     if (w.stride() == (1, w.shape[0])) != column_major:
                         w.data = w.data.t().contiguous().t() if column_major else w.data.contiguous()
-
-
-def set_down_row_major(module: nn.Module) -> None:
-    """Store every MLP down projection's weight row-major ([N, K] contiguous), the layout the
-    fused SiLU·mul + down kernel (``mlp_triton.py``) streams fastest; values are unchanged."""
-    for m in module.modules():
-        if isinstance(m, GatedMLP) and not m.down_proj.weight.is_contiguous():
-            m.down_proj.weight.data = m.down_proj.weight.data.contiguous()
