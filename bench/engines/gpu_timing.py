@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -31,3 +31,25 @@ def graph_replay_ms(fn: Callable[[], object], reps: int = 20, warm: int = 3) -> 
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def sweep(row: dict, prefix: str, configs: Iterable[tuple[int, ...]],
+          run: Callable[[tuple[int, ...]], tuple[torch.Tensor, float]], want: torch.Tensor) -> tuple[float, str] | None:
+    """Time launch configurations: ``run(cfg)`` returns (output, µs). Records ``{prefix}{key}_us``
+    per configuration in ``row`` (``_rel_err`` when the output is off by more than 1e-2 relative,
+    ``_error`` when it does not compile or fit); returns the fastest accurate (µs, key)."""
+    best = None
+    for cfg in configs:
+        key = "x".join(map(str, cfg))
+        try:
+            out, us = run(cfg)
+            err = ((out.float() - want).norm() / want.norm()).item()
+        except Exception as e:  # a configuration that does not compile or fit
+            row[f"{prefix}{key}_error"] = repr(e)[:200]
+            continue
+        row[f"{prefix}{key}_us"] = us
+        if err > 1e-2:
+            row[f"{prefix}{key}_rel_err"] = err
+        elif best is None or us < best[0]:
+            best = (us, key)
+    return best

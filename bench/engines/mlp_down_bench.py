@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_replay_ms
+from gpu_timing import graph_replay_ms, sweep
 
 #: the kernel's launch configuration per padded row count: (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
 CONFIGS: dict[int, tuple[int, int, int, int, int]] = {
@@ -188,21 +188,11 @@ def main() -> None:
             row["fused_default_rel_err"] = ((fused(x, ws[0], None).float() - want).norm() / want.norm()).item()
         except Exception as e:  # recorded; the sweep below still runs
             row["fused_default_error"] = repr(e)[:160]
-        best = None
-        for cfg in grid:
-            key = "x".join(map(str, cfg))
+        def run(cfg, x=x, m=m):
             k = SiluMulDown({padded_rows(m): cfg})
-            try:
-                err = ((k(x, ws[0], None).float() - want).norm() / want.norm()).item()
-                us = graph_replay_ms(lambda: [k(x, w, None) for w in ws]) * 1e3 / LAYERS  # noqa: B023
-            except Exception as e:  # a configuration that does not compile or fit
-                row[f"fused_{key}_error"] = repr(e)[:160]
-                continue
-            row[f"fused_{key}_us"] = us
-            if err > 1e-2:
-                row[f"fused_{key}_rel_err"] = err
-            elif best is None or us < best[0]:
-                best = (us, key)
+            return k(x, ws[0], None), graph_replay_ms(lambda: [k(x, w, None) for w in ws]) * 1e3 / LAYERS
+
+        best = sweep(row, "fused_", grid, run, want)
         if best:
             row["best"], row["best_us"] = best[1], best[0]
             row["unfused_over_best"] = row["unfused_us"] / best[0]

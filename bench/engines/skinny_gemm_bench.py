@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_replay_ms
+from gpu_timing import graph_replay_ms, sweep
 
 
 @triton.jit
@@ -100,21 +100,12 @@ def main() -> None:
             row = {"gemm": name, "m": m, "weight_MB": n * k * 2 / 1e6,
                    "cublas_colmajor_us": graph_us(lambda: [F.linear(x, w) for w in wcm]),  # noqa: B023
                    "cublas_rowmajor_us": graph_us(lambda: [F.linear(x, w) for w in ws])}  # noqa: B023
-            best = None
-            for bn, bk, sk, st, nw in configs:
-                key = f"{bn}x{bk}x{sk}x{st}x{nw}"
-                try:
-                    out = skinny_linear(x, ws[0], bn, bk, sk, nw, st).float()
-                    err = ((out - ref).norm() / ref.norm()).item()
-                    us = graph_us(lambda: [skinny_linear(x, w, bn, bk, sk, nw, st) for w in ws])  # noqa: B023
-                except Exception as e:  # a configuration that does not compile
-                    row[f"triton_{key}_error"] = repr(e)[:200]
-                    continue
-                row[f"triton_{key}_us"] = us
-                if err > 1e-2:
-                    row[f"triton_{key}_rel_err"] = err
-                elif best is None or us < best[0]:
-                    best = (us, key)
+            def run(cfg, x=x, ws=ws):
+                bn, bk, sk, st, nw = cfg
+                return (skinny_linear(x, ws[0], bn, bk, sk, nw, st),
+                        graph_us(lambda: [skinny_linear(x, w, bn, bk, sk, nw, st) for w in ws]))
+
+            best = sweep(row, "triton_", configs, run, ref)
             if best:
                 row["best_triton"], row["best_triton_us"] = best[1], best[0]
                 row["cublas_colmajor_over_best_triton"] = row["cublas_colmajor_us"] / best[0]

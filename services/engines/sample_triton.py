@@ -27,6 +27,13 @@ Same results as the torch path up to float summation order, except among exactly
 probabilities: the sorted path keeps a tie group at the top-p / top-k edge in part (in whatever
 order its sort left the group), this one keeps the whole group or none of it; both are valid
 nucleus samplers. On a CPU it runs under ``TRITON_INTERPRET=1``, which the tests use.
+
+Compiles: Triton builds the kernel on first use per specialization, ~0.5–1.8 s on an H100
+during which every sequence of the engine waits (bench/results/orpheus/trace/). So the row
+count and the seen mask's row stride are not specialized on (a new batch size would
+otherwise compile again: 1, multiples of 16 and the rest are different specializations),
+and the first launch of an allowed-set width compiles both repetition-penalty variants, so a
+request that turns the penalty on or off later does not stall every stream.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ def _sum_pair(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "seen_stride"])
 def _sample_rows(logits_ptr, logits_stride, ids_ptr, cols_ptr, table_stride, rows_ptr, n_rows,
                  seen_ptr, seen_stride, out_ptr, width,
                  PENALIZE: tl.constexpr, USE_COLS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
@@ -146,10 +153,23 @@ def sample_compact(logits: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor |
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     ids = ids.contiguous()
     per_row = per_row.contiguous()
-    seen_arg = seen.view(torch.uint8) if seen is not None else ids  # unused unless PENALIZE
-    _sample_rows[(n,)](
-        logits, logits.stride(0), ids, cols.contiguous() if cols is not None else ids, ids.stride(0), per_row, n,
-        seen_arg, seen.stride(0) if seen is not None else 0, out, width,
-        PENALIZE=seen is not None, USE_COLS=cols is not None, BLOCK=block, STEPS=BISECT_STEPS,
-        num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    cols_arg = cols.contiguous() if cols is not None else ids
+    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+    def launch(kernel, penalize: bool, seen_arg: torch.Tensor, seen_stride: int) -> None:
+        kernel(logits, logits.stride(0), ids, cols_arg, ids.stride(0), per_row, n, seen_arg, seen_stride, out, width,
+               PENALIZE=penalize, USE_COLS=cols is not None, BLOCK=block, STEPS=BISECT_STEPS, num_warps=warps)
+
+    key = (logits.device, logits.dtype, cols is not None, block, width, logits.stride(0))
+    if logits.device.type == "cuda" and key not in _COMPILED:
+        _COMPILED.add(key)
+        other = seen is None  # the variant this call does not launch: compile it now, run nothing
+        launch(lambda *a, **k: _sample_rows.warmup(*a, grid=(1,), **k), other,
+               torch.empty(1, dtype=torch.uint8, device=logits.device) if other else ids, 1 if other else 0)
+    launch(_sample_rows[(n,)], seen is not None, seen.view(torch.uint8) if seen is not None else ids,
+           seen.stride(0) if seen is not None else 0)  # the seen-mask arguments are unused unless penalised
     return out
+
+
+#: (device, dtype, restricted head, block, width, logits row stride) whose both penalty variants are compiled
+_COMPILED: set[tuple] = set()
