@@ -38,12 +38,15 @@ request that turns the penalty on or off later does not stall every stream.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from mstar.services.engines.sampling import FUSED_MAX_WIDTH
 
+log = logging.getLogger(__name__)
 #: bisection steps: float32 bit patterns of probabilities lie in [0, 0x3F800000] < 2**30
 BISECT_STEPS = 30
 
@@ -164,8 +167,11 @@ def sample_compact(logits: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor |
     if logits.device.type == "cuda" and key not in _COMPILED:
         _COMPILED.add(key)
         other = seen is None  # the variant this call does not launch: compile it now, run nothing
-        launch(lambda *a, **k: _sample_rows.warmup(*a, grid=(1,), **k), other,
-               torch.empty(1, dtype=torch.uint8, device=logits.device) if other else ids, 1 if other else 0)
+        try:
+            launch(lambda *a, **k: _sample_rows.warmup(*a, grid=(1,), **k), other,
+                   torch.empty(1, dtype=torch.uint8, device=logits.device) if other else ids, 1 if other else 0)
+        except Exception:  # a pre-compile only: the step itself goes on; the variant compiles when first used
+            log.warning("could not pre-compile the fused sampler's penalty=%s variant", other, exc_info=True)
     launch(_sample_rows[(n,)], seen is not None, seen.view(torch.uint8) if seen is not None else ids,
            seen.stride(0) if seen is not None else 0)  # the seen-mask arguments are unused unless penalised
     return out
