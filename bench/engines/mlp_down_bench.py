@@ -5,7 +5,8 @@ split-K reduced in the same launch by the last slice to finish) on row-major wei
 launch configurations. 28 weight copies (one per layer) in one CUDA graph, so L2 does not hold
 a weight across calls; µs per layer, medians of graph replays timed with CUDA events.
 
-A measurement only: the fused kernel lost to cuBLAS + SiLU·mul at 16 and 64 rows and tied at
+Column-major tiles, the first version (a), with ``--fused-layout column``; the engine version's
+bias is gone (4f7ee30 has it). A measurement only: the fused kernel lost to cuBLAS + SiLU·mul at 16 and 64 rows and tied at
 one (bench/results/engines/mlp-down/), so the engine keeps the unfused tail.
 
     python bench/engines/mlp_down_bench.py --out mlp_down.json [--ms 1,8,16,32,64]
@@ -36,12 +37,12 @@ CONFIGS: dict[int, tuple[int, int, int, int, int]] = {
 def _silu_mul_down_kernel(
     gu_ptr, gu_stride,  # gate_up output [M, 2I], rows strided, columns dense
     w_ptr, w_stride_n, w_stride_k,  # down weight, logical [N, I]
-    bias_ptr, out_ptr, out_stride,  # bias [N] (HAS_BIAS), out [M, N]
+    out_ptr, out_stride,  # out [M, N]
     part_ptr, count_ptr,  # split-K: fp32 [SPLIT_K, BM, N] partial sums, int32 [cdiv(N, BLOCK_N)] finished slices
     # M rows, N outputs, K intermediate features (gate_up holds 2K columns)
     M, N, K,
     BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, W_ROW_MAJOR: tl.constexpr,
+    W_ROW_MAJOR: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -82,8 +83,6 @@ def _silu_mul_down_kernel(
     omask = mmask[:, None] & nmask[None, :]
     out = out_ptr + rm[:, None] * out_stride + rn[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         # Publish this slice's partial sums; the last slice of the tile to finish adds them all.
@@ -95,8 +94,6 @@ def _silu_mul_down_kernel(
             total = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptr + s * BM * N + tile, mask=nmask[None, :], other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=omask)
             tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch
 
@@ -116,9 +113,9 @@ class SiluMulDown:
         # graphs keep their addresses
         self._split: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """gate_up [M, 2I] (columns dense), weight [N, I] (any strides), bias [N] or None ->
-        silu(gate_up[:, :I]) * gate_up[:, I:] @ weight.T + bias, [M, N] in gate_up's dtype."""
+    def __call__(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] (columns dense), weight [N, I] (row- or column-major) ->
+        silu(gate_up[:, :I]) * gate_up[:, I:] @ weight.T, [M, N] in gate_up's dtype."""
         m, two_i = gate_up.shape
         n, i = weight.shape
         if two_i != 2 * i or gate_up.stride(1) != 1:
@@ -138,8 +135,8 @@ class SiluMulDown:
             part = count = out
         _silu_mul_down_kernel[(tiles, split_k)](
             gate_up, gate_up.stride(0), weight, weight.stride(0), weight.stride(1),
-            bias if bias is not None else out, out, out.stride(0), part, count, m, n, i,
-            BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+            out, out.stride(0), part, count, m, n, i,
+            BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             W_ROW_MAJOR=weight.stride(1) == 1,
             num_warps=warps, num_stages=stages,
         )
@@ -158,6 +155,8 @@ def main() -> None:
     ap.add_argument("--split-k", default="1,2")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="3,4,5")
+    ap.add_argument("--fused-layout", choices=("row", "column"), default="row",
+                    help="the down weights the fused kernel reads (column: version (a) of the README)")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     try:
@@ -170,6 +169,7 @@ def main() -> None:
         silu_name = "torch"
     ws = [torch.randn(N, INTER, device=dev, dtype=dt) / INTER**0.5 for _ in range(LAYERS)]  # row-major: the fused kernel's
     wcm = [w.t().contiguous().t() for w in ws]  # column-major: the engine's layout for cuBLAS without the fused kernel
+    wf = ws if args.fused_layout == "row" else wcm
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "silu_mul": silu_name,
            "default_configs": {str(k): v for k, v in CONFIGS.items()}, "args": vars(args), "rows": []}
     t0 = time.time()
@@ -184,13 +184,13 @@ def main() -> None:
                "gemm_alone_us": graph_replay_ms(lambda: [F.linear(x[:, :INTER], w) for w in wcm]) * 1e3 / LAYERS}  # noqa: B023
         fused = SiluMulDown()
         try:
-            row["fused_default_us"] = graph_replay_ms(lambda: [fused(x, w, None) for w in ws]) * 1e3 / LAYERS  # noqa: B023
-            row["fused_default_rel_err"] = ((fused(x, ws[0], None).float() - want).norm() / want.norm()).item()
+            row["fused_default_us"] = graph_replay_ms(lambda: [fused(x, w) for w in wf]) * 1e3 / LAYERS  # noqa: B023
+            row["fused_default_rel_err"] = ((fused(x, wf[0]).float() - want).norm() / want.norm()).item()
         except Exception as e:  # recorded; the sweep below still runs
             row["fused_default_error"] = repr(e)[:160]
         def run(cfg, x=x, m=m):
             k = SiluMulDown({padded_rows(m): cfg})
-            return k(x, ws[0], None), graph_replay_ms(lambda: [k(x, w, None) for w in ws]) * 1e3 / LAYERS
+            return k(x, wf[0]), graph_replay_ms(lambda: [k(x, w) for w in wf]) * 1e3 / LAYERS
 
         best = sweep(row, "fused_", grid, run, want)
         if best:

@@ -52,7 +52,6 @@ if [[ $STAGES == *",steps,"* ]]; then  # the LLM engine alone: step time per sam
 fi
 if [[ $STAGES == *",trace,"* ]]; then  # a kernel trace of every process at $TRACE_STREAMS streams (trace_served.py)
   stamp trace
-  python -c "from pathlib import Path; from bench_orpheus import write_checkpoints as w; r = Path('/tmp/orpheus-ckpt'); (r / 'hubertsiuzdak').exists() or w(r, tiny=False)"
   MSTAR_GPU_TRACE=/tmp/gpu-trace,0.4 PYTHONPATH=$REPO/bench/orpheus/gpu_trace:$PYTHONPATH \
     python trace_served.py --root /tmp/orpheus-ckpt --out "$OUT/trace${SUFFIX:-}.json" --streams ${TRACE_STREAMS:-16} ${TRACE_ARGS:-} 2>&1 | grep -v Warning | tail -60
   save_jit

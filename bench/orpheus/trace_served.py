@@ -101,7 +101,7 @@ def analyze(folder: Path, step_marker: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--root", required=True)
+    ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
     ap.add_argument("--streams", default="16", help="levels, each traced once")
     ap.add_argument("--max-tokens", type=int, default=434)
     ap.add_argument("--delay", type=float, default=0.5, help="seconds into the level before the trace starts")
@@ -109,9 +109,11 @@ def main() -> None:
     ap.add_argument("--model-kwargs", default='{"snac_dtype": "bfloat16", "snac_stride_frames": 2}')
     ap.add_argument("--marker", default="_sample", help="a kernel name part seen once per LLM step")
     args = ap.parse_args()
-    spec = os.environ.get("MSTAR_GPU_TRACE")
-    assert spec, "set MSTAR_GPU_TRACE=DIR,SECONDS and put gpu_trace/ first on PYTHONPATH"
-    folder = Path(spec.split(",")[0])
+    spec = os.environ.get("MSTAR_GPU_TRACE", "")
+    if spec.count(",") != 1:
+        ap.error("set MSTAR_GPU_TRACE=DIR,SECONDS and put bench/orpheus/gpu_trace first on PYTHONPATH")
+    trace_dir, trace_s = spec.split(",")
+    folder = Path(trace_dir)
     folder.mkdir(parents=True, exist_ok=True)
     root = Path(args.root or tempfile.mkdtemp(prefix="orpheus-trace-"))
     if not (root / "hubertsiuzdak").exists():
@@ -125,7 +127,7 @@ def main() -> None:
             timer = threading.Timer(args.delay, lambda k=k: (folder / f"start-{k}").touch())
             timer.start()
             traced = asyncio.run(mstar_level(mesh.conductor_address, n, args.max_tokens))
-            time.sleep(float(spec.split(",")[1]) + 3)
+            time.sleep(float(trace_s) + 3)  # the processes' traces are written
             res = {"streams": n, "untraced_level": plain, "traced_level": traced, **analyze(folder / str(k), args.marker)}
             print(json.dumps(res, indent=2), flush=True)
             results.append(res)
