@@ -72,8 +72,9 @@ class EngineConfig:
     # carry allowed-token ranges inside them computes logits for these ids only (an audio
     # codebook in a large text vocabulary: the head reads a fraction of its weight)
     head_ranges: tuple[tuple[int, int], ...] = ()
-    # steps whose rows all draw from small allowed sets sample in one Triton kernel
-    # (sample_triton.py): auto (on CUDA when triton imports) | on | off (the torch sampler)
+    # steps whose rows all draw from small allowed sets, or over the full vocabulary without
+    # top-k / top-p, sample in Triton kernels (sample_triton.py): auto (on CUDA when triton
+    # imports) | on | off (the torch sampler)
     fused_sampler: str = "auto"
 
     def __post_init__(self) -> None:

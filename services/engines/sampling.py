@@ -1,9 +1,10 @@
 """Token sampling batched over requests with different parameters.
 
 Order per row: allowed-token ranges -> repetition penalty -> (greedy argmax | temperature ->
-top-k -> top-p -> min-p -> draw). A draw is inverse-CDF sampling with one uniform per row; a
-seeded row's uniform is a hash of (seed, output index), so it is reproducible whatever else
-shares the batch, on any device, pipelined or not.
+top-k -> top-p -> min-p -> draw). A draw is inverse-CDF sampling with one uniform per row over
+the kept tokens in vocabulary order (whatever sort decided which tokens are kept); a seeded
+row's uniform is a hash of (seed, output index), so it is reproducible whatever else shares the
+batch (and whichever path samples it: torch, the fused kernels), on any device, pipelined or not.
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ class _RangeTable:
         if new or self.table is None or self.table.device != device:
             for r in new:
                 self.sets[r] = len(self.sets)
-            rows = [torch.cat([torch.arange(a, b) for a, b in r]) for r in self.sets]
+            # ascending ids (the draw's order is the vocabulary's), overlaps counted once
+            rows = [torch.cat([torch.arange(a, b) for a, b in r]).unique() for r in self.sets]
             width = max(len(x) for x in rows)
             table = torch.full((len(rows), width), -1, dtype=torch.int64)
             for i, x in enumerate(rows):
@@ -267,8 +269,9 @@ class Sampler:
     """
 
     def __init__(self, seed: int | None = None, fused: bool | None = None) -> None:
-        """``fused``: batches whose rows all draw from small allowed sets run as one Triton
-        kernel (``sample_triton``); None (auto) = on CUDA when triton imports."""
+        """``fused``: batches whose rows all draw from small allowed sets, and batches over the
+        full vocabulary without top-k / top-p, run as Triton kernels (``sample_triton``); None
+        (auto) = on CUDA when triton imports."""
         self._fused = fused
         self._ranges = _RangeTable()
         self._rng = random.Random(seed)
@@ -330,7 +333,10 @@ class Sampler:
         table = self._ranges.table
         compacts = constrained and table is not None and (columns is not None or 2 * table.shape[1] <= vocab)
         fused = compacts and table.shape[1] <= FUSED_MAX_WIDTH and self._use_fused(dev)
-        greedy = all(p.greedy for p in params) and not fused
+        # no allowed sets, no top-k / top-p anywhere: the full-vocabulary kernels
+        full = (columns is None and not any(ranges) and not any(p.top_k or p.top_p < 1 for p in params)
+                and self._use_fused(dev))
+        greedy = all(p.greedy for p in params) and not (fused or full)
         # rows: set id, seen-mask slot, penalty, then (sampling) temperature, top_p, min_p, top_k, greedy, uniform
         host = np.zeros((9 if not greedy else 3, n), dtype=np.float64)
         if constrained:
@@ -342,6 +348,10 @@ class Sampler:
             host[3:8] = np.array([p.draw_row for p in params]).T
             host[8] = self._uniforms(params, counters)
         per_row = h2d(torch.from_numpy(host), dev)
+        if full:
+            from mstar.services.engines.sample_triton import sample_full
+
+            return sample_full(logits, per_row, self._seen if penalize else None)
         if fused:
             from mstar.services.engines.sample_triton import sample_compact
 
@@ -398,9 +408,9 @@ class Sampler:
         greedy_pick = x.argmax(-1) if any_greedy else None
         probs, order = filtered_probs(x / temp.float()[:, None], top_k, top_p.float(), min_ps.float() if min_p else None,
                                       sort)
+        if order is not None:  # the draw runs in vocabulary order whatever decided the kept set
+            probs = torch.empty_like(probs).scatter_(1, order, probs)
         cdf = row_cumsum(probs, torch.float64, padded=True)  # runs past V with the total
         target = (u * cdf[:, -1])[:, None]
         pick = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
-        if order is not None:
-            pick = order.gather(1, pick[:, None])[:, 0]
         return pick if greedy_pick is None else torch.where(greedy.bool(), greedy_pick, pick)

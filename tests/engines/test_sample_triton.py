@@ -5,6 +5,7 @@ top-p edge, tested on its own)."""
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -142,4 +143,96 @@ def test_orpheus_sized_rows_on_the_gpu():
                    for tok in toks)  # rows tracked in order take slots 2.. (0: never seen, 1: scratch)
         if dtype == torch.float32:
             assert torch.equal(results[0][0], results[1][0])
+            assert torch.equal(results[0][1], results[1][1])
+
+
+FULL_PARAMS = [
+    SamplingParams(temperature=1.0, seed=11),  # plain sampling
+    SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=12),
+    SamplingParams(temperature=0.0),  # greedy
+    SamplingParams(temperature=1.2, min_p=0.05, seed=13),
+    SamplingParams(temperature=0.9, min_p=0.2, repetition_penalty=1.5, seed=14),
+    SamplingParams(temperature=1.0),  # unseeded: the sampler's own stream
+    SamplingParams(temperature=0.0, repetition_penalty=2.0),  # greedy after the penalty
+]
+
+
+@pytest.mark.parametrize("block", [256, 4096], ids=["13-blocks", "1-block"])
+def test_full_vocabulary_kernels_draw_what_the_torch_sampler_draws(block, monkeypatch):
+    """No allowed sets, no top-k / top-p: the two-launch full-vocabulary path against the torch
+    sampler over a 3,200-id vocabulary (13 blocks of 256 with a partial last one, or one
+    block), three steps, seen marks included."""
+    import mstar.services.engines.sample_triton as st
+
+    monkeypatch.setattr(st, "FULL_BLOCK", block)
+    vocab, dev = 3200, _device()
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, len(FULL_PARAMS), vocab, generator=g) * 4).to(dev)
+    logits[:, :, 3190:] += 6  # likely tokens in the partial last block too
+    results = []
+    for fused in (False, True):
+        s = Sampler(seed=7, fused=fused)
+        keys = [f"r{i}" if i in (1, 4, 6) else None for i in range(len(FULL_PARAMS))]
+        for k in keys:
+            if k is not None:
+                s.track(k, [5, 3195, 3199], vocab, logits.device)
+        toks = [s(logits[t], FULL_PARAMS, keys, [t] * len(FULL_PARAMS)).cpu() for t in range(3)]
+        results.append((torch.stack(toks), s._seen.cpu()))
+    (want, want_seen), (got, got_seen) = results
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(got_seen, want_seen)
+    assert got[:, 2].tolist() == logits[:, 2].argmax(-1).tolist()
+
+
+def test_full_vocabulary_kernels_are_not_used_for_top_k_top_p_or_allowed_sets(monkeypatch):
+    """Rows with top-k / top-p or allowed ranges go to the other paths; the full kernels take
+    a batch only when every row fits them."""
+    import mstar.services.engines.sample_triton as st
+
+    calls = []
+    real = st.sample_full
+    monkeypatch.setattr(st, "sample_full", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0)).to(_device())
+    s = Sampler(fused=True)
+    s(logits, [SamplingParams(seed=1), SamplingParams(seed=2, top_p=0.9)])
+    s(logits, [SamplingParams(seed=1), SamplingParams(seed=2, allowed_token_ranges=((0, 10),))])
+    assert calls == []
+    s(logits, [SamplingParams(seed=1), SamplingParams(seed=2, min_p=0.1)])
+    assert calls == [1]
+
+
+def test_full_kernel_refuses_a_block_that_is_not_a_power_of_two():
+    from mstar.services.engines.sample_triton import sample_full
+
+    with pytest.raises(ValueError, match="block must be a power of two >= 16, got 100"):
+        sample_full(torch.zeros(1, 300), torch.zeros(9, 1, dtype=torch.float64), None, block=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_full_vocabulary_rows_on_the_gpu():
+    """16 rows over Llama 3's 128,256 ids: float32 logits give the torch sampler's tokens and
+    seen marks (plain, penalised, min-p, greedy rows); bf16 logits stay in the vocabulary and
+    greedy rows take the arg-max."""
+    vocab = 128256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = [FULL_PARAMS[i % len(FULL_PARAMS)] for i in range(16)]
+    params = [p if p.seed is None else replace(p, seed=p.seed + i) for i, p in enumerate(params)]
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [(torch.randn(16, vocab, generator=g, device="cuda") * 3).to(dtype) for _ in range(4)]
+        results = []
+        for fused in (False, True):
+            s = Sampler(seed=3, fused=fused)
+            keys = [f"k{i}" for i in range(16)]
+            for k in keys:
+                s.track(k, [1, 2, 3], vocab, torch.device("cuda"))
+            toks = [s(x, params, keys, [t] * 16) for t, x in enumerate(xs)]
+            results.append((torch.stack(toks).cpu(), s._seen.cpu()))
+        got = results[1][0]
+        assert bool(((got >= 0) & (got < vocab)).all())
+        for i, p in enumerate(params):
+            if p.greedy and p.repetition_penalty == 1:
+                assert got[:, i].tolist() == [int(x[i].float().argmax()) for x in xs]
+        if dtype == torch.float32:
+            assert torch.equal(results[0][0], got)
             assert torch.equal(results[0][1], results[1][1])

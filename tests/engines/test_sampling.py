@@ -186,3 +186,16 @@ def test_allowed_token_cycle_follows_the_output_position():
     assert p.at_output(3).allowed_token_ranges == ((5, 7), (9, 10))
     assert p.at_output(3).allowed_token_cycle == ()
     assert SamplingParams().at_output(5) == SamplingParams()
+
+
+def test_a_seeded_row_draws_the_same_whatever_filters_its_neighbours_use():
+    """The draw runs in vocabulary order over the kept tokens, so a row without top-k / top-p
+    draws the same token whether or not the batch sorts for another row's top-p (it used to
+    draw in sorted order then), and a top-p row that keeps everything draws as plain sampling."""
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(2)) * 2
+    plain = SamplingParams(seed=9)
+    for i in range(30):
+        alone = int(Sampler()(logits, [plain], counters=[i])[0])
+        beside = Sampler()(logits.repeat(3, 1), [plain, SamplingParams(seed=1, top_p=0.5),
+                                                 SamplingParams(seed=9, top_p=1.0, top_k=500)], counters=[i] * 3)
+        assert int(beside[0]) == alone and int(beside[2]) == alone
