@@ -1,9 +1,13 @@
-"""Device time of a CUDA graph of a function, shared by the engine micro-benchmarks."""
+"""Device time of a CUDA graph of a function, launch-configuration sweeps, and kernel intervals
+from torch.profiler traces: shared by the engine micro-benchmarks and the trace scripts."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import statistics
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -53,3 +57,33 @@ def sweep(row: dict, prefix: str, configs: Iterable[tuple[int, ...]],
         elif best is None or us < best[0]:
             best = (us, key)
     return best
+
+
+def intervals(trace: Path) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every kernel, copy and memset in a gzipped chrome trace."""
+    ev = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+
+
+def union(iv: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
+    """Sorted intervals merged where they touch or overlap: the spans the device was busy."""
+    out: list[list[float]] = []
+    for a, b, _ in iv:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap(spans: list[tuple[float, float]], other: list[tuple[float, float]]) -> float:
+    """Total length of ``spans`` covered by ``other`` (both sorted and disjoint)."""
+    tot, j = 0.0, 0
+    for a, b in spans:
+        while j < len(other) and other[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(other) and other[k][0] < b:
+            tot += max(0.0, min(b, other[k][1]) - max(a, other[k][0]))
+            k += 1
+    return tot

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -23,32 +23,8 @@ from pathlib import Path
 
 from bench_orpheus import PLACEMENTS, mstar_level, start_mesh, write_checkpoints  # noqa: I001  (same folder)
 
-
-def intervals(trace: Path) -> list[tuple[float, float, str]]:
-    ev = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-
-
-def union(iv: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b, _ in iv:
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def overlap(spans: list[tuple[float, float]], other: list[tuple[float, float]]) -> float:
-    tot, j = 0.0, 0
-    for a, b in spans:
-        while j < len(other) and other[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(other) and other[k][0] < b:
-            tot += max(0.0, min(b, other[k][1]) - max(a, other[k][0]))
-            k += 1
-    return tot
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
+from gpu_timing import intervals, overlap, union  # noqa: E402  (bench/engines)
 
 
 def analyze(folder: Path, step_marker: str) -> dict:

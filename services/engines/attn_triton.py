@@ -41,6 +41,12 @@ NUM_STAGES: int | None = None
 #: at 8 splits 7.5 / 9.3 / 18.9 µs a layer at contexts 192 / 1k / 4k (1 split: 7.5 / 23.3 / 83.0);
 #: batch 16 at 2 splits 12.7 / 32.0 / 98.1 (1: 11.5 / 32.8 / 107.1).
 TARGET_PROGRAMS, MAX_SPLITS = 256, 8
+#: A graph's kernel is launched with its batch's split count, but each step uses only as many as
+#: give the longest sequence at least this many cached tokens a split (a power of two, >= 1): at
+#: short contexts a split's fixed cost outweighs its share of the work (batch 16 at context 192:
+#: 1 split 11.5 µs a layer, 2 splits 12.7). The step's count reaches the kernel through the page
+#: table's indptr buffer (one element past the sequences), so it changes without a new graph.
+MIN_SPLIT_TOKENS = 128
 
 
 @triton.jit
@@ -51,7 +57,8 @@ def _decode_kernel(
     indptr_ptr, indices_ptr, last_ptr,  # int32 CSR page table
     out_ptr, qk_scale,  # out [n, Hq, D]; softmax scale x log2(e)
     part_ptr, ml_ptr, count_ptr,  # split-KV: fp32 [n, Hkv, S, GP, D] partial outputs, [n, Hkv, S, 2, GP] max / sum;
-    # int32 [n, Hkv] finished splits (zero between launches: the last split resets it)
+    # int32 [n, Hkv] finished splits (zero between launches: the last split resets it); with SPLITS > 1,
+    # indptr[n + 1] holds the step's split count (<= SPLITS)
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr,
 ):
@@ -94,7 +101,11 @@ def _decode_kernel(
         acc = tl.zeros([GP, D], tl.float32)
         n_cached = kv_len
     qd = q.to(dtype)
-    chunk = tl.cdiv(n_cached, SPLITS)
+    if SPLITS == 1:
+        active = 1
+    else:
+        active = tl.load(indptr_ptr + tl.num_programs(0) + 1)  # splits past it have no work
+    chunk = tl.cdiv(n_cached, active)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_cached)
     for t0 in range(lo, hi, BLOCK):
@@ -122,29 +133,33 @@ def _decode_kernel(
     orow = b * (HKV * G * D) + (h * G + g)[:, None] * D
     if SPLITS == 1:
         tl.store(out_ptr + orow + d[None, :], (acc / l_sum[:, None]).to(dtype), mask=gmask[:, None])
-    else:
-        # Publish this split's partial result; the last split of (b, h) to finish merges them all.
-        pair = b * HKV + h
-        mine_at = pair * SPLITS + split
-        tl.store(part_ptr + (mine_at * GP + g[:, None]) * D + d[None, :], acc)
-        tl.store(ml_ptr + mine_at * 2 * GP + g, m)
-        tl.store(ml_ptr + mine_at * 2 * GP + GP + g, l_sum)
-        tl.debug_barrier()  # every thread's stores precede the release below
-        done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
-        if done == SPLITS - 1:
-            m_all = tl.full([GP], float("-inf"), tl.float32)
-            for i in tl.static_range(SPLITS):
-                m_all = tl.maximum(m_all, tl.load(ml_ptr + (pair * SPLITS + i) * 2 * GP + g, cache_modifier=".cg"))
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            total = tl.zeros([GP], tl.float32)
-            merged = tl.zeros([GP, D], tl.float32)
-            for i in tl.static_range(SPLITS):
-                at = pair * SPLITS + i
-                w = tl.exp2(tl.load(ml_ptr + at * 2 * GP + g, cache_modifier=".cg") - m_all)
-                total += w * tl.load(ml_ptr + at * 2 * GP + GP + g, cache_modifier=".cg")
-                merged += w[:, None] * tl.load(part_ptr + (at * GP + g[:, None]) * D + d[None, :], cache_modifier=".cg")
-            tl.store(out_ptr + orow + d[None, :], (merged / total[:, None]).to(dtype), mask=gmask[:, None])
-            tl.atomic_xchg(count_ptr + pair, 0)  # ready for the next launch
+    elif split < active:
+        if active == 1:
+            tl.store(out_ptr + orow + d[None, :], (acc / l_sum[:, None]).to(dtype), mask=gmask[:, None])
+        else:
+            # Publish this split's partial result; the last split of (b, h) to finish merges them all.
+            pair = b * HKV + h
+            mine_at = pair * SPLITS + split
+            tl.store(part_ptr + (mine_at * GP + g[:, None]) * D + d[None, :], acc)
+            tl.store(ml_ptr + mine_at * 2 * GP + g, m)
+            tl.store(ml_ptr + mine_at * 2 * GP + GP + g, l_sum)
+            tl.debug_barrier()  # every thread's stores precede the release below
+            done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
+            if done == active - 1:
+                m_all = tl.full([GP], float("-inf"), tl.float32)
+                for i in range(0, active):
+                    m_all = tl.maximum(m_all, tl.load(ml_ptr + (pair * SPLITS + i) * 2 * GP + g, cache_modifier=".cg"))
+                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                total = tl.zeros([GP], tl.float32)
+                merged = tl.zeros([GP, D], tl.float32)
+                for i in range(0, active):
+                    at = pair * SPLITS + i
+                    w = tl.exp2(tl.load(ml_ptr + at * 2 * GP + g, cache_modifier=".cg") - m_all)
+                    total += w * tl.load(ml_ptr + at * 2 * GP + GP + g, cache_modifier=".cg")
+                    merged += w[:, None] * tl.load(part_ptr + (at * GP + g[:, None]) * D + d[None, :],
+                                                   cache_modifier=".cg")
+                tl.store(out_ptr + orow + d[None, :], (merged / total[:, None]).to(dtype), mask=gmask[:, None])
+                tl.atomic_xchg(count_ptr + pair, 0)  # ready for the next launch
 
 
 def _padded_group(heads: HeadShape) -> int:
@@ -179,22 +194,26 @@ class TritonGraphDecode:
             raise ValueError(f"head_dim={heads.head_dim} must be a power of two for the Triton decode kernel")
         self.heads, self.dtype, self.page_size, self._device = heads, dtype, page_size, device
         i32 = dict(dtype=torch.int32, device=device)
-        self._indptr = torch.zeros(batch_size + 1, **i32)
+        # CSR indptr of the graph's sequences, then the step's split count
+        self._indptr = torch.ones(batch_size + 2, **i32)
         self._indices = torch.zeros(max_pages, **i32)
         self._last = torch.ones(batch_size, **i32)
-        self._indptr[1:] = torch.arange(1, batch_size + 1, **i32)  # valid before the first plan: page 0, 1 token
+        self._indptr[: batch_size + 1] = torch.arange(batch_size + 1, **i32)  # valid before the first plan: page 0, 1 token
         self._scale = 1.0 / math.sqrt(heads.head_dim) * math.log2(math.e)
         self.block_n = BLOCK_N_FEW if batch_size < MANY_SEQS else BLOCK_N
         self.num_warps, self.num_stages = NUM_WARPS, NUM_STAGES
         self.batch_size = batch_size
         self.splits = 1
+        self.min_split_tokens = MIN_SPLIT_TOKENS
+        self.active_splits = 1  # the latest plan's split count
         self._part = self._ml = None
         self._count = torch.zeros(batch_size * heads.num_kv_heads, dtype=torch.int32, device=device)
         self.set_splits(splits_for(batch_size, heads.num_kv_heads))
 
     def set_splits(self, splits: int) -> None:
-        """Split each sequence's KV range over ``splits`` programs (a power of two), merged by
-        the last to finish; allocates the partial-result buffers (outside graph capture)."""
+        """Split each sequence's KV range over up to ``splits`` programs (a power of two; each
+        step uses as many as ``min_split_tokens`` allows), merged by the last to finish;
+        allocates the partial-result buffers (outside graph capture)."""
         if splits < 1 or splits & (splits - 1):
             raise ValueError(f"splits={splits} must be a power of two")
         self.splits = splits
@@ -208,13 +227,22 @@ class TritonGraphDecode:
         """Non-blocking copies from pinned memory, stream-ordered before the replay."""
         t = batch.table
         n = t.kv_indices.shape[0]
-        if t.kv_indptr.shape != self._indptr.shape or n > self._indices.shape[0]:
+        if t.kv_indptr.shape[0] != self._indptr.shape[0] - 1 or n > self._indices.shape[0]:
             raise ValueError(f"plan for {t.batch_size} sequences / {n} pages, graph holds "
-                             f"{self._indptr.shape[0] - 1} / {self._indices.shape[0]}")
+                             f"{self._indptr.shape[0] - 2} / {self._indices.shape[0]}")
+        self.active_splits = self.splits_for_context(max(t.kv_lens, default=1))
+        indptr = torch.empty(self._indptr.shape, dtype=torch.int32)
+        indptr[:-1] = t.kv_indptr
+        indptr[-1] = self.active_splits
         pin = self._device.type == "cuda"
-        for dst, src in ((self._indptr, t.kv_indptr), (self._indices[:n], t.kv_indices),
-                         (self._last, t.kv_last_page_len)):
+        for dst, src in ((self._indptr, indptr), (self._indices[:n], t.kv_indices), (self._last, t.kv_last_page_len)):
             dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+
+    def splits_for_context(self, longest: int) -> int:
+        """Splits a step uses when its longest sequence holds ``longest`` tokens: the largest
+        power of two <= longest / ``min_split_tokens``, within [1, ``splits``]."""
+        want = longest // self.min_split_tokens if self.min_split_tokens > 0 else self.splits
+        return max(1, min(self.splits, 1 << max(0, want.bit_length() - 1)))
 
     def _launch(self, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool) -> torch.Tensor:
         h = self.heads

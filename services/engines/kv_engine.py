@@ -68,6 +68,9 @@ class EngineConfig:
     # decode attention inside CUDA graphs: auto (the fused Triton RoPE + K/V store + split-KV
     # attention kernel when triton imports, else FlashInfer) | flashinfer | triton
     graph_attention: str = "auto"
+    # the fused kernel's split-KV: a step uses as many of its graph's splits as give the longest
+    # sequence at least this many cached tokens each (0: always all of them)
+    attention_min_split_tokens: int = 128
     # token ids the engine's requests usually draw from (half-open ranges): a step whose rows all
     # carry allowed-token ranges inside them computes logits for these ids only (an audio
     # codebook in a large text vocabulary: the head reads a fraction of its weight)
@@ -81,6 +84,8 @@ class EngineConfig:
         if self.graph_attention not in GRAPH_ATTENTION:
             raise ValueError(f"EngineConfig.graph_attention: '{self.graph_attention}' is not one of "
                              f"{', '.join(GRAPH_ATTENTION)}")
+        if self.attention_min_split_tokens < 0:
+            raise ValueError(f"EngineConfig.attention_min_split_tokens must be >= 0, got {self.attention_min_split_tokens}")
         if self.fused_sampler not in FUSED_SAMPLER:
             raise ValueError(f"EngineConfig.fused_sampler: '{self.fused_sampler}' is not one of {', '.join(FUSED_SAMPLER)}")
 
@@ -131,7 +136,8 @@ class KVCacheEngine:
             log.info("CUDA graphs off: %s", why_no_graphs)
         elif config.cuda_graphs:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
-            graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention)
+            graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
+                                  min_split_tokens=config.attention_min_split_tokens)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

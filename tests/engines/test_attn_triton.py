@@ -69,7 +69,9 @@ def test_fused_decode_matches_rope_store_then_reference_attention(heads, block_n
     dec = TritonGraphDecode(heads, torch.device("cpu"), torch.float32, PS, len(kv_lens), kv.shape[1])
     dec.block_n = block_n
     dec.set_splits(splits)  # 16 splits leave most of a short sequence's splits empty
+    dec.min_split_tokens = 0  # every step uses all of them
     dec.plan(batch)
+    assert dec.active_splits == splits
     got_kv = kv.clone()
     got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cpu")))
     torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=1e-5)  # K rotated, V as is, at the slots
@@ -78,6 +80,40 @@ def test_fused_decode_matches_rope_store_then_reference_attention(heads, block_n
     qr, _ = rope_ref(rope.inv_freq, q, k, positions)
     torch.testing.assert_close(dec.run(qr.contiguous(), got_kv[0], got_kv[1]), want, atol=1e-4, rtol=1e-4)
     assert not dec._count.any()  # every merge reset its counter for the next launch
+
+
+@pytest.mark.parametrize("min_tokens,active", [(1000, 1), (32, 2), (16, 4), (1, 8)])
+def test_a_step_uses_as_many_splits_as_its_longest_context_allows(min_tokens, active):
+    """A graph built for 8 splits runs a step on fewer when its longest sequence (70 tokens)
+    gives each fewer than ``min_split_tokens``: same result, counters reset, and the next
+    step on the same buffers with another count is right too."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test; the GPU test below covers CUDA")
+    heads = HeadShape(4, 2, 16)
+    kv_lens = [1, 5, 3 * PS + 2, 70]
+    kv, batch, q, k, v, positions, slots = _case(kv_lens, heads, "cpu", torch.float32, seed=3)
+    rope = RotaryEmbedding(heads.head_dim, 10000.0, max_positions=128)
+    want, _ = _reference(kv, batch, q, k, v, positions, slots, rope, heads)
+    dec = TritonGraphDecode(heads, torch.device("cpu"), torch.float32, PS, len(kv_lens), kv.shape[1])
+    dec.block_n = 16
+    dec.set_splits(8)
+    cos_sin = rope.cos_sin_cache(torch.device("cpu"))
+    for tokens, used in ((min_tokens, active), (0, 8), (min_tokens, active)):
+        dec.min_split_tokens = tokens
+        dec.plan(batch)
+        assert dec.active_splits == used and int(dec._indptr[-1]) == used
+        got = dec.run_rope_store(q, k, v, positions, slots, kv.clone(), cos_sin)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert not dec._count.any()
+
+
+def test_split_count_rule():
+    dec = TritonGraphDecode(HeadShape(4, 2, 16), torch.device("cpu"), torch.float32, PS, 2, 4)
+    dec.set_splits(8)
+    dec.min_split_tokens = 128
+    assert [dec.splits_for_context(n) for n in (0, 127, 128, 255, 256, 600, 1024, 10**6)] == [1, 1, 1, 1, 2, 4, 8, 8]
+    dec.set_splits(2)
+    assert dec.splits_for_context(10**6) == 2
 
 
 def test_plan_refuses_a_batch_the_graph_does_not_hold():
@@ -90,8 +126,8 @@ def test_plan_refuses_a_batch_the_graph_does_not_hold():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("splits", [1, 2, 16])
-def test_fused_decode_on_gpu_matches_the_reference_in_bf16(splits):
+@pytest.mark.parametrize("splits,min_tokens", [(1, 0), (2, 0), (16, 0), (8, 128)])  # 0: all splits; 128: 4 of 8
+def test_fused_decode_on_gpu_matches_the_reference_in_bf16(splits, min_tokens):
     heads = HeadShape(24, 8, 128)
     kv_lens = [1, 17, 192, 200, 513, 64, 65, 1000] * 2
     kv, batch, q, k, v, positions, slots = _case(kv_lens, heads, "cuda", torch.bfloat16)
@@ -99,7 +135,9 @@ def test_fused_decode_on_gpu_matches_the_reference_in_bf16(splits):
     want, want_kv = _reference(kv, batch, q, k, v, positions, slots, rope, heads)
     dec = TritonGraphDecode(heads, torch.device("cuda"), torch.bfloat16, PS, len(kv_lens), kv.shape[1])
     dec.set_splits(splits)
+    dec.min_split_tokens = min_tokens
     dec.plan(batch)
+    assert dec.active_splits == (splits if min_tokens == 0 else 4)  # longest context 1,000
     got_kv = kv.clone()
     for _ in range(3):  # repeated launches: each must find its split counters reset
         got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(torch.device("cuda")))
