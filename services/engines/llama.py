@@ -148,9 +148,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        # rows by advanced indexing, not nn.Embedding's index_select: on CUDA that takes a
-        # small-index kernel for <= 16 ids, 13.7 µs for 16 rows of 3,072 on an H100 (2.6 for
-        # one row, 2.2 for 64 through the vectorized gather): bench/results/engines/step_trace.json
+        # Several rows by advanced indexing, not nn.Embedding's index_select: on CUDA that takes
+        # a small-index kernel for 2-16 ids. H100, 3,072-wide bf16 rows, µs per lookup (index_select
+        # / indexing): 1 id 2.2 / 3.1, 8 ids 4.8 / 1.8, 16 ids 7.9 / 1.8, 64 ids 2.1 / 2.0
+        # (bench/results/engines/2026-11-25/step_trace.json -> embed). Same rows either way.
+        if token_ids.numel() == 1:
+            return self.model.embed_tokens(token_ids)
         return self.model.embed_tokens.weight[token_ids]
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
