@@ -145,6 +145,7 @@ class KVCacheEngine:
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
         self.sampler = Sampler(fused=FUSED_SAMPLER[config.fused_sampler])
+        self.sampler.precompile(model.config.vocab_size, p.dtype, p.device)  # type: ignore[attr-defined]
         self._head_cols = None  # the head_ranges' ids on the device, in column order
         if config.head_ranges:
             vocab = model.config.vocab_size  # type: ignore[attr-defined]

@@ -385,6 +385,14 @@ class Sampler:
             self._seen.view(-1).index_fill_(0, torch.where(slot > 0, slot, 1) * self._seen.shape[1] + tokens, True)
         return tokens
 
+    def precompile(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Build the fused full-vocabulary kernels for this vocabulary now, where they will be
+        used (CUDA with triton; else nothing): see ``sample_triton.precompile_full``."""
+        if device.type == "cuda" and self._use_fused(device):
+            from mstar.services.engines.sample_triton import precompile_full
+
+            precompile_full(vocab, dtype, device)
+
     def _use_fused(self, device: torch.device) -> bool:
         if self._fused is None:
             from mstar.services.engines.cuda_graphs import triton_unavailable_reason
