@@ -92,6 +92,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="16,128")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks this script, measures nothing")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="of " + ", ".join(VARIANTS))
+    ap.add_argument("--no-warm-sampler", action="store_true",
+                    help="build the engine without its start-up sampler warm-up (KVCacheEngine.warm_sampler): "
+                    "with a fresh TRITON_CACHE_DIR, warmup_b8.first_window_ms_p50 then shows the first-use compile")
     args = ap.parse_args()
     root = Path(args.root)
     if not (root / "hubertsiuzdak").exists():
@@ -99,12 +103,20 @@ def main() -> None:
     ckpt = root / "canopylabs" / "orpheus-3b-0.1-ft"
     dev = "cpu" if args.tiny else "cuda:0"
     kw = {"gpu_memory_fraction": 0.8, "max_num_seqs": 256, **({"kv_cache_bytes": 64 << 20} if args.tiny else {})}
+    if args.no_warm_sampler:
+        from mstar.services.engines.kv_engine import KVCacheEngine
+
+        KVCacheEngine.warm_sampler = lambda self, params: None
+    t0 = time.perf_counter()
     engine = build_engine(ckpt, dev, engine_config(NodeContext("llm", dev, None, kw)))
     res = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu", "torch": torch.__version__,
-           "prompt": PROMPT, "new_tokens": NEW, "runs": []}
-    run(engine, 8, ORPHEUS, False)  # warm-up
+           "prompt": PROMPT, "new_tokens": NEW, "engine_build_s": time.perf_counter() - t0,
+           "warm_sampler": not args.no_warm_sampler, "runs": []}
+    res["warmup_b8"] = run(engine, 8, ORPHEUS, False)  # the warm-up: the first requests of a fresh engine
+    print("warmup_b8", json.dumps(res["warmup_b8"]), flush=True)
+    variants = {k: VARIANTS[k] for k in args.variants.split(",")}
     for b in [1] + [int(x) for x in args.batches.split(",")]:
-        for name, params in VARIANTS.items():
+        for name, params in variants.items():
             head, fused = engine._head_cols, engine.sampler._fused
             if name == "orpheus_full_head":
                 engine._head_cols = None

@@ -104,7 +104,11 @@ def use_engine_process(ctx: NodeContext) -> bool:
 def build_engine(checkpoint: Path, device: str, config: EngineConfig, tp=None) -> KVCacheEngine:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=device, tp=tp)
-    return KVCacheEngine(model, config, tp=tp)
+    engine = KVCacheEngine(model, config, tp=tp)
+    if config.head_ranges:  # the code positions' sampling kernels compile now, not on the first request
+        cycle = SamplingParams(seed=0, allowed_token_cycle=CODE_CYCLE)
+        engine.warm_sampler([cycle.at_output(i) for i in range(len(CODE_CYCLE))])
+    return engine
 
 
 class OrpheusLLM(EngineNode):

@@ -237,6 +237,21 @@ class KVCacheEngine:
                     self.release(ev.request_id)
         return outs
 
+    @torch.inference_mode()
+    def warm_sampler(self, params: Sequence[SamplingParams]) -> None:
+        """Sample once from zero logits with each of ``params`` (a row each), on the path a
+        step with those parameters takes (the restricted head's columns when their ranges lie
+        inside ``head_ranges``), so what compiles on first use (the fused sampler's compact
+        kernel is specialized on the allowed sets' width) compiles at start-up, not while the
+        first request's stream and every other one wait. Tracks no sequence and touches no
+        cache; unseeded rows draw from the sampler's own stream."""
+        if not params:
+            return
+        in_head = self._head_cols is not None and all(self._in_head(p.allowed_token_ranges) for p in params)
+        cols = len(self._head_cols) if in_head else self.model.config.vocab_size
+        logits = torch.zeros((len(params), cols), dtype=self.dtype, device=self.device)
+        self.sampler(logits, params, counters=list(range(len(params))), columns=self._head_cols if in_head else None)
+
     # -- direct passes ----------------------------------------------------------------------
     def forward(self, items: Sequence[ForwardItem], causal: bool = True) -> list[torch.Tensor]:
         """One pass over several labelled caches; returns final hidden states per item.

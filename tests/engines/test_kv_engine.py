@@ -221,3 +221,22 @@ def test_a_restricted_head_draws_what_the_full_head_draws(tiny_model, monkeypatc
     assert () in calls
     with pytest.raises(ValueError, match="EngineConfig.head_ranges"):
         make_engine(tiny_model, head_ranges=((70, 90), (0, 30)))
+
+
+def test_warm_sampler_leaves_no_state(tiny_model, monkeypatch):
+    """warm_sampler samples each parameter set once on the path steps take (the restricted
+    head here) and leaves nothing behind: no request, no tracked sequence, no page; seeded
+    generation afterwards is what it is on a fresh engine."""
+    calls = []
+    eng = make_engine(tiny_model, head_ranges=HEAD)
+    sampler = eng.sampler
+    monkeypatch.setattr(eng, "sampler", lambda logits, *a, **k: calls.append((tuple(logits.shape), k.get("columns")
+                                                                              is not None)) or sampler(logits, *a, **k))
+    cyc = SamplingParams(seed=3, repetition_penalty=1.2, allowed_token_cycle=HEAD_CYCLE)
+    eng.warm_sampler([cyc.at_output(i) for i in range(3)])
+    assert calls == [((3, 50), True)]  # one row per code position, over the 30 + 20 head columns
+    assert not eng.has_work and not sampler._slots and eng.cache.allocator.num_used == 0
+    monkeypatch.undo()
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=6, allowed_token_cycle=HEAD_CYCLE)
+    assert eng.generate({"a": PROMPTS["a"]}, params) == make_engine(tiny_model, head_ranges=HEAD).generate(
+        {"a": PROMPTS["a"]}, params)
