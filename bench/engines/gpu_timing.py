@@ -65,6 +65,16 @@ def intervals(trace: Path) -> list[tuple[float, float, str]]:
     return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
 
 
+def time_by_name(iv: list[tuple[float, float, str]], chars: int, top: int) -> list[tuple[str, float, int]]:
+    """(name cut to ``chars``, total µs, launches) of the ``top`` kernels by total time."""
+    acc: dict[str, list] = {}
+    for a, b, n in iv:
+        t = acc.setdefault(n[:chars], [0.0, 0])
+        t[0] += b - a
+        t[1] += 1
+    return sorted(((n, t, c) for n, (t, c) in acc.items()), key=lambda x: -x[1])[:top]
+
+
 def union(iv: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
     """Sorted intervals merged where they touch or overlap: the spans the device was busy."""
     out: list[list[float]] = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from decode_bench import GIB, SHAPE, build_models  # noqa: I001  (same folder)
-from gpu_timing import graph_replay_ms, intervals, union
+from gpu_timing import graph_replay_ms, intervals, time_by_name, union
 
 from mstar.services.engines import EngineConfig, KVCacheEngine, SamplingParams
 from mstar.services.engines.sampling import Sampler
@@ -58,11 +58,7 @@ def trace_steps(eng: KVCacheEngine, batch: int, prompt: int, ctx: int, steps: in
     n_steps = len(marks) - 1
     inside = [(max(a, m0), min(b, m1), n) for a, b, n in iv if b > m0 and a < m1]
     busy = union(inside)
-    per_name: dict[str, float] = {}
-    count: dict[str, int] = {}
-    for a, b, n in inside:
-        per_name[n[:90]] = per_name.get(n[:90], 0.0) + (b - a)
-        count[n[:90]] = count.get(n[:90], 0) + 1
+    top = time_by_name(inside, 90, 25)
     gaps = sorted((a2 - b1 for (_, b1), (a2, _) in zip(busy, busy[1:], strict=False)), reverse=True)
     by_pair: dict[str, float] = {}  # idle time by (kernel before, kernel after)
     end, before = inside[0][1], inside[0][2]
@@ -80,8 +76,8 @@ def trace_steps(eng: KVCacheEngine, batch: int, prompt: int, ctx: int, steps: in
         "gap_us_per_step": sum(gaps) / n_steps, "largest_gaps_us": [round(g, 1) for g in gaps[:12]],
         "kernels_per_step": len(inside) / n_steps,
         "gap_us_per_step_by_pair": {k: round(v / n_steps, 1) for k, v in sorted(by_pair.items(), key=lambda x: -x[1])[:15]},
-        "top_us_per_step": {n: round(t / n_steps, 1) for n, t in sorted(per_name.items(), key=lambda x: -x[1])[:25]},
-        "launches_per_step": {n: round(count[n] / n_steps, 2) for n in sorted(per_name, key=lambda x: -per_name[x])[:25]},
+        "top_us_per_step": {n: round(t / n_steps, 1) for n, t, _ in top},
+        "launches_per_step": {n: round(c / n_steps, 2) for n, _, c in top},
     }
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from bench_orpheus import PLACEMENTS, mstar_level, start_mesh, write_checkpoints  # noqa: I001  (same folder)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
-from gpu_timing import intervals, overlap, union  # noqa: E402  (bench/engines)
+from gpu_timing import intervals, overlap, time_by_name, union  # noqa: E402  (bench/engines)
 
 
 def analyze(folder: Path, step_marker: str) -> dict:
@@ -66,10 +66,7 @@ def analyze(folder: Path, step_marker: str) -> dict:
         if "codec" in unions:
             res["codec_in_llm_gaps_ms"] = overlap(gaps, unions["codec"]) / 1e3
             res["codec_overlapping_llm_kernels_ms"] = overlap(u, unions["codec"]) / 1e3
-        hist: dict[str, float] = {}
-        for a, b, n in iv:
-            hist[n[:60]] = hist.get(n[:60], 0.0) + (b - a) / 1e3
-        res["llm_top_kernels_ms"] = dict(sorted(hist.items(), key=lambda x: -x[1])[:15])
+        res["llm_top_kernels_ms"] = {n: t / 1e3 for n, t, _ in time_by_name(iv, 60, 15)}
         res["largest_gaps_us"] = sorted((round(b - a, 1) for a, b in gaps), reverse=True)[:20]
     return res
 

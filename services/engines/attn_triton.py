@@ -205,7 +205,6 @@ class TritonGraphDecode:
         self.batch_size = batch_size
         self.splits = 1
         self.min_split_tokens = MIN_SPLIT_TOKENS
-        self.active_splits = 1  # the latest plan's split count
         self._part = self._ml = None
         self._count = torch.zeros(batch_size * heads.num_kv_heads, dtype=torch.int32, device=device)
         self.set_splits(splits_for(batch_size, heads.num_kv_heads))
@@ -230,10 +229,9 @@ class TritonGraphDecode:
         if t.kv_indptr.shape[0] != self._indptr.shape[0] - 1 or n > self._indices.shape[0]:
             raise ValueError(f"plan for {t.batch_size} sequences / {n} pages, graph holds "
                              f"{self._indptr.shape[0] - 2} / {self._indices.shape[0]}")
-        self.active_splits = self.splits_for_context(max(t.kv_lens, default=1))
         indptr = torch.empty(self._indptr.shape, dtype=torch.int32)
         indptr[:-1] = t.kv_indptr
-        indptr[-1] = self.active_splits
+        indptr[-1] = self.splits_for_context(max(t.kv_lens, default=1))
         pin = self._device.type == "cuda"
         for dst, src in ((self._indptr, indptr), (self._indices[:n], t.kv_indices), (self._last, t.kv_last_page_len)):
             dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)

@@ -145,7 +145,6 @@ class KVCacheEngine:
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
         self.sampler = Sampler(fused=FUSED_SAMPLER[config.fused_sampler])
-        self.sampler.precompile(model.config.vocab_size, p.dtype, p.device)  # type: ignore[attr-defined]
         self._head_cols = None  # the head_ranges' ids on the device, in column order
         if config.head_ranges:
             vocab = model.config.vocab_size  # type: ignore[attr-defined]
@@ -156,6 +155,9 @@ class KVCacheEngine:
         self._inside_head: dict[int, tuple[bool, tuple]] = {}  # id(allowed ranges) -> (inside?, kept alive)
         self.stats = EngineStats()
         self._inflight: _Launched | None = None
+        if p.device.type == "cuda":  # the fused full-vocabulary sampler compiles now, not on the first request
+            # (H100, bench/results/orpheus/2026-11-25/: that request's first window 2.0 s before, 95 ms after)
+            self.warm_sampler([SamplingParams(seed=0)])
 
     @property
     def cuda_graphs(self) -> bool:

@@ -67,6 +67,12 @@ def _sum_pair(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
 
+@triton.jit
+def _penalize(x, seen, pen):
+    """Repetition penalty, HF convention: a seen token's positive logit / pen, negative x pen."""
+    return tl.where(seen != 0, tl.where(x > 0, x / pen, x * pen), x)
+
+
 @triton.jit(do_not_specialize=["n_rows", "seen_stride"])
 def _sample_rows(logits_ptr, logits_stride, ids_ptr, cols_ptr, table_stride, rows_ptr, n_rows,
                  seen_ptr, seen_stride, out_ptr, width,
@@ -90,7 +96,7 @@ def _sample_rows(logits_ptr, logits_stride, ids_ptr, cols_ptr, table_stride, row
     if PENALIZE:
         pen = tl.load(rows_ptr + 2 * n_rows + r).to(tl.float32)
         seen = tl.load(seen_ptr + slot * seen_stride + tok, mask=valid, other=0)  # slot 0: never seen
-        x = tl.where(seen != 0, tl.where(x > 0, x / pen, x * pen), x)
+        x = _penalize(x, seen, pen)
     temp = tl.load(rows_ptr + 3 * n_rows + r).to(tl.float32)
     top_p = tl.load(rows_ptr + 4 * n_rows + r).to(tl.float32)
     min_p = tl.load(rows_ptr + 5 * n_rows + r).to(tl.float32)
@@ -180,7 +186,7 @@ def _full_block_stats(logits_ptr, logits_stride, rows_ptr, n_rows, seen_ptr, see
         slot = tl.load(rows_ptr + n_rows + r).to(tl.int64)
         pen = tl.load(rows_ptr + 2 * n_rows + r).to(tl.float32)
         seen = tl.load(seen_ptr + slot * seen_stride + j, mask=inb, other=0)  # slot 0: never seen
-        x = tl.where(seen != 0, tl.where(x > 0, x / pen, x * pen), x)
+        x = _penalize(x, seen, pen)
     z = x / tl.load(rows_ptr + 3 * n_rows + r).to(tl.float32)
     m = tl.max(z, 0)
     s = tl.sum(tl.exp(z - tl.where(m > float("-inf"), m, 0.0)), 0)
@@ -201,7 +207,7 @@ def _full_scaled_block(logits_ptr, row_off, rows_ptr, n_rows, r, seen_ptr, seen_
     if PENALIZE:
         pen = tl.load(rows_ptr + 2 * n_rows + r).to(tl.float32)
         seen = tl.load(seen_row + j, mask=inb, other=0)
-        x = tl.where(seen != 0, tl.where(x > 0, x / pen, x * pen), x)
+        x = _penalize(x, seen, pen)
     e = tl.exp(x / tl.load(rows_ptr + 3 * n_rows + r).to(tl.float32) - top_z)
     return tl.where(inb & (e >= min_p), e, 0.0)  # p >= min_p x p_max  <=>  exp(z - max z) >= min_p
 
@@ -264,12 +270,11 @@ def _full_pick(logits_ptr, logits_stride, rows_ptr, n_rows, seen_ptr, seen_strid
 
 
 def sample_full(logits: torch.Tensor, per_row: torch.Tensor, seen: torch.Tensor | None,
-                block: int | None = None, compile_only: bool = False) -> torch.Tensor:
+                block: int | None = None) -> torch.Tensor:
     """Token ids [B] (int64) for full-vocabulary logits [B, V] whose rows use neither allowed
     sets nor top-k / top-p: ``per_row`` and ``seen`` as for ``sample_compact`` (set id, top_p
     and top_k are not read). ``block``: ids per program of the first kernel (a power of two;
-    default ``FULL_BLOCK``). ``compile_only``: build both kernels' penalty variants for this
-    shape and dtype (CUDA), run nothing (engines call it at start-up: see ``precompile_full``)."""
+    default ``FULL_BLOCK``)."""
     n, vocab = logits.shape
     block = FULL_BLOCK if block is None else block
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
@@ -293,18 +298,9 @@ def sample_full(logits: torch.Tensor, per_row: torch.Tensor, seen: torch.Tensor 
              PENALIZE=penalize, BLOCK=block, NB=nb, num_warps=warps)
 
     key = ("full", logits.device, logits.dtype, block, vocab, logits.stride(0))
-    _launch_both_variants(_full_block_stats, (n, n_blocks), stats_launch, seen, per_row, key, run=not compile_only)
-    _launch_both_variants(_full_pick, (n,), pick_launch, seen, per_row, key, run=not compile_only)
+    _launch_both_variants(_full_block_stats, (n, n_blocks), stats_launch, seen, per_row, key)
+    _launch_both_variants(_full_pick, (n,), pick_launch, seen, per_row, key)
     return out
-
-
-def precompile_full(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile the full-vocabulary kernels for [B, vocab] logits of ``dtype`` now (both penalty
-    variants), so that the first request that samples over the whole vocabulary does not wait
-    ~2 s for them with every other sequence of the engine (H100,
-    bench/results/orpheus/2026-11-25/engine_steps-r.json: first window 2.0 s before this)."""
-    dummy = torch.zeros((9, 1), dtype=torch.float64, device=device)
-    sample_full(torch.empty((1, vocab), dtype=dtype, device=device), dummy, None, compile_only=True)
 
 
 #: (kernel, shape key) whose both penalty variants are compiled
@@ -312,21 +308,17 @@ _COMPILED: set[tuple] = set()
 
 
 def _launch_both_variants(kernel, grid: tuple[int, ...], launch, seen: torch.Tensor | None, dummy: torch.Tensor,
-                          key: tuple, run: bool = True) -> None:
+                          key: tuple) -> None:
     """Launch ``kernel`` on ``grid`` for this call's penalty variant (``launch(grid_fn, penalize,
     seen, seen_stride)``); on CUDA, the first call for ``key`` also compiles the other variant
-    without running it (``warmup``). ``dummy``: any device tensor for unused seen arguments.
-    Without ``run``: compile both variants (CUDA), launch nothing."""
+    without running it (``warmup``). ``dummy``: any device tensor for unused seen arguments."""
     if dummy.device.type == "cuda" and (kernel, key) not in _COMPILED:
         _COMPILED.add((kernel, key))
-        mask = torch.empty(1, dtype=torch.uint8, device=dummy.device)
-        for penalize in (True, False) if not run else (seen is None,):  # the variants this call does not launch
-            try:
-                launch(lambda *a, **k: kernel.warmup(*a, grid=(1,), **k), penalize, mask if penalize else dummy,
-                       1 if penalize else 0)
-            except Exception:  # a pre-compile only: the step goes on; the variant compiles when first used
-                log.warning("could not pre-compile %s's penalty=%s variant", kernel.fn.__name__, penalize,
-                            exc_info=True)
-    if run:
-        launch(kernel[grid], seen is not None, seen.view(torch.uint8) if seen is not None else dummy,
-               seen.stride(0) if seen is not None else 0)  # the seen-mask arguments are unused unless penalised
+        other = seen is None  # the variant this call does not launch
+        try:
+            launch(lambda *a, **k: kernel.warmup(*a, grid=(1,), **k), other,
+                   torch.empty(1, dtype=torch.uint8, device=dummy.device) if other else dummy, 1 if other else 0)
+        except Exception:  # a pre-compile only: the step goes on; the variant compiles when first used
+            log.warning("could not pre-compile %s's penalty=%s variant", kernel.fn.__name__, other, exc_info=True)
+    launch(kernel[grid], seen is not None, seen.view(torch.uint8) if seen is not None else dummy,
+           seen.stride(0) if seen is not None else 0)  # the seen-mask arguments are unused unless penalised

@@ -334,8 +334,8 @@ class Sampler:
         compacts = constrained and table is not None and (columns is not None or 2 * table.shape[1] <= vocab)
         fused = compacts and table.shape[1] <= FUSED_MAX_WIDTH and self._use_fused(dev)
         # no allowed sets, no top-k / top-p anywhere: the full-vocabulary kernels
-        full = (columns is None and not any(ranges) and not any(p.top_k or p.top_p < 1 for p in params)
-                and self._use_fused(dev))
+        sorts = any(p.top_k or p.top_p < 1 for p in params)
+        full = columns is None and not any(ranges) and not sorts and self._use_fused(dev)
         greedy = all(p.greedy for p in params) and not (fused or full)
         # rows: set id, seen-mask slot, penalty, then (sampling) temperature, top_p, min_p, top_k, greedy, uniform
         host = np.zeros((9 if not greedy else 3, n), dtype=np.float64)
@@ -378,20 +378,12 @@ class Sampler:
         if greedy:
             pick = x.argmax(-1)
         else:
-            pick = self._draw(x, per_row[3:], sort=any(p.top_k or p.top_p < 1 for p in params),
+            pick = self._draw(x, per_row[3:], sort=sorts,
                               min_p=any(p.min_p > 0 for p in params), any_greedy=any(p.greedy for p in params))
         tokens = pick if compact is None else compact.gather(1, pick[:, None])[:, 0]
         if penalize:  # mark the drawn ids seen; untracked rows write into the scratch row
             self._seen.view(-1).index_fill_(0, torch.where(slot > 0, slot, 1) * self._seen.shape[1] + tokens, True)
         return tokens
-
-    def precompile(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Build the fused full-vocabulary kernels for this vocabulary now, where they will be
-        used (CUDA with triton; else nothing): see ``sample_triton.precompile_full``."""
-        if device.type == "cuda" and self._use_fused(device):
-            from mstar.services.engines.sample_triton import precompile_full
-
-            precompile_full(vocab, dtype, device)
 
     def _use_fused(self, device: torch.device) -> bool:
         if self._fused is None:
