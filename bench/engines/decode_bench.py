@@ -76,6 +76,8 @@ def build_models(shape: dict, dev: str):
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied to the embeddings
     load_state_dict(ours, state, source="transformers model")  # q/k/v and gate/up fused as they load
     set_weight_layout(ours, column_major=dev == "cuda")  # as from_pretrained does on CUDA
+    if dev == "cuda":
+        ours.fold_norms()  # as from_pretrained does on CUDA
     return hf, ours.requires_grad_(False).eval()
 
 

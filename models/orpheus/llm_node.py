@@ -80,6 +80,7 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
         cuda_graphs=bool(kw.get("cuda_graphs", True)),
         graph_attention=str(kw.get("graph_attention", "auto")),
         fused_sampler=str(kw.get("fused_sampler", "auto")),
+        fused_norms=str(kw.get("fused_norms", "auto")),
     )
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from mstar.services.engines.attention import AttentionBatch, HeadShape
+from mstar.services.engines.rowscale_triton import _row_rsqrt
 
 #: Launch configuration: KV tokens per inner iteration (``BLOCK_N_FEW`` for graphs of fewer than
 #: ``MANY_SEQS`` sequences), warps per program, software-pipeline stages of the KV loop (None:
@@ -59,8 +60,9 @@ def _decode_kernel(
     part_ptr, ml_ptr, count_ptr,  # split-KV: fp32 [n, Hkv, S, GP, D] partial outputs, [n, Hkv, S, 2, GP] max / sum;
     # int32 [n, Hkv] finished splits (zero between launches: the last split resets it); with SPLITS > 1,
     # indptr[n + 1] holds the step's split count (<= SPLITS)
+    res_ptr, res_stride, hidden, eps,  # ROWSCALE: q / k / v times 1 / rms(res[b]) (the layer's un-normalised input)
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    BLOCK: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr, ROWSCALE: tl.constexpr, HIDDEN_P2: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -80,12 +82,16 @@ def _decode_kernel(
         cos = tl.load(cos_sin_ptr + pos * D + d % half)
         sin = tl.load(cos_sin_ptr + pos * D + half + d % half)
         sign = tl.where(d < half, -1.0, 1.0)
+        if ROWSCALE:
+            r = _row_rsqrt(res_ptr, b, res_stride, hidden, eps, HIDDEN_P2)
+        else:
+            r = 1.0
         q_pair = tl.load(q_ptr + qrow + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        q = (q * cos[None, :] + sign[None, :] * q_pair * sin[None, :]).to(dtype).to(tl.float32)
+        q = ((q * cos[None, :] + sign[None, :] * q_pair * sin[None, :]) * r).to(dtype).to(tl.float32)
         k_row = k_ptr + b * kv_stride + h * D
         k_new = tl.load(k_row + d).to(tl.float32) * cos + sign * tl.load(k_row + partner).to(tl.float32) * sin
-        k_new = k_new.to(dtype)
-        v_new = tl.load(v_ptr + b * kv_stride + h * D + d).to(dtype)
+        k_new = (k_new * r).to(dtype)
+        v_new = (tl.load(v_ptr + b * kv_stride + h * D + d).to(tl.float32) * r).to(dtype)
         dst = (tl.load(slot_ptr + b) * HKV + h) * D + d
         mine = d < tl.where(split == 0, D, 0)  # split 0 stores the new K/V and counts the new token
         tl.store(k_cache_ptr + dst, k_new, mask=mine)
@@ -187,6 +193,7 @@ class TritonGraphDecode:
 
     name = "triton-graph"
     fuses_rope_store = True
+    scales_rows = True  # run_rope_store takes row_rms
 
     def __init__(self, heads: HeadShape, device: torch.device, dtype: torch.dtype, page_size: int,
                  batch_size: int, max_pages: int):
@@ -242,7 +249,7 @@ class TritonGraphDecode:
         want = longest // self.min_split_tokens if self.min_split_tokens > 0 else self.splits
         return max(1, min(self.splits, 1 << max(0, want.bit_length() - 1)))
 
-    def _launch(self, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool) -> torch.Tensor:
+    def _launch(self, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool, row_rms=None) -> torch.Tensor:
         h = self.heads
         d = h.head_dim
         _check_rows(q, h.num_qo_heads, d, "q")
@@ -253,11 +260,16 @@ class TritonGraphDecode:
         out = torch.empty((n, h.num_qo_heads, d), dtype=k_cache.dtype, device=q.device)
         sp = self.splits
         part, ml = (self._part, self._ml) if sp > 1 else (out, out)
+        res, eps = row_rms if row_rms is not None else (q, 0.0)
+        if row_rms is not None and (res.dim() != 2 or res.shape[0] != n or res.stride(1) != 1):
+            raise ValueError(f"row_rms: need [{n}, hidden] with dense rows, got shape {tuple(res.shape)}")
         _decode_kernel[(n, h.num_kv_heads, sp)](
             q, k, v, q.stride(0), k.stride(0), positions, slots, cos_sin, k_cache, v_cache,
             self._indptr, self._indices, self._last, out, self._scale, part, ml, self._count,
+            res, res.stride(0), res.shape[-1], eps,
             HKV=h.num_kv_heads, G=h.group, GP=_padded_group(h), D=d, PS=self.page_size, BLOCK=self.block_n,
-            FUSED=fused, SPLITS=sp,
+            FUSED=fused, SPLITS=sp, ROWSCALE=row_rms is not None,
+            HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1,
             num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )
         return out
@@ -267,13 +279,18 @@ class TritonGraphDecode:
         return self._launch(q, q, q, unused, unused, (k_cache, v_cache), unused, fused=False)
 
     def run_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                       slots: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+                       slots: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
+                       row_rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """Un-rotated q [n, Hq, D], k / v [n, Hkv, D] (views of the qkv GEMM's output), RoPE
         ``positions`` and cache ``slots`` [n] int64 -> attention output [n, Hq, D]; K/V land in
-        ``kv_layer`` ([k|v, page, slot, Hkv, D]) at ``slots``."""
+        ``kv_layer`` ([k|v, page, slot, Hkv, D]) at ``slots``.
+
+        ``row_rms`` (``x`` [n, hidden], eps): the GEMM read ``x`` un-normalised (its RMSNorm weight
+        folded into the projection), so q, k and v of row b are first scaled by
+        1 / sqrt(mean(x[b]²) + eps), which the kernel computes."""
         h = self.heads
         _check_rows(k, h.num_kv_heads, h.head_dim, "k")
         _check_rows(v, h.num_kv_heads, h.head_dim, "v")
         if k.stride(0) != v.stride(0) or k.dtype != kv_layer.dtype:
             raise ValueError("k and v must share a row stride and the cache's dtype")
-        return self._launch(q, k, v, positions, slots, kv_layer, cos_sin, fused=True)
+        return self._launch(q, k, v, positions, slots, kv_layer, cos_sin, fused=True, row_rms=row_rms)

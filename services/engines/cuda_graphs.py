@@ -32,6 +32,11 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # tho
 #: (bench/results/engines/decode_attn_split.json).
 GRAPH_ATTENTION = ("auto", "flashinfer", "triton")
 
+#: Decode graphs without RMSNorm kernels (``EngineConfig.fused_norms``, ``ForwardContext.fused_norms``):
+#: 'auto' where the model allows it (``fused_norms_unavailable_reason``) and the graphs run the
+#: fused Triton attention, 'on' (an error where it cannot), 'off'.
+FUSED_NORMS = ("auto", "on", "off")
+
 
 def triton_unavailable_reason() -> str | None:
     try:
@@ -58,11 +63,12 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                 copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None):
+                 copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None,
+                 fused_norms: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
-        default)."""
+        default). ``fused_norms``: one of ``FUSED_NORMS``."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -73,6 +79,17 @@ class DecodeGraphs:
         if attention == "auto" and no_triton:
             log.info("decode graphs use FlashInfer attention only: %s", no_triton)
         use_triton = attention != "flashinfer" and not no_triton
+        if fused_norms not in FUSED_NORMS:
+            raise ValueError(f"fused_norms '{fused_norms}' is not one of {', '.join(FUSED_NORMS)}")
+        why_not = None
+        if fused_norms != "off":
+            why_not = ("the graphs' attention is FlashInfer, which applies no row scales" if not use_triton
+                       else getattr(model, "fused_norms_unavailable_reason", lambda: "the model has no fused-norm path")())
+            if why_not and fused_norms == "on":
+                raise RuntimeError(f"fused_norms='on': {why_not}")
+            if why_not:
+                log.info("decode graphs keep their RMSNorm kernels: %s", why_not)
+        self.fused_norms = fused_norms != "off" and why_not is None
         self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.copies = copies
@@ -100,8 +117,8 @@ class DecodeGraphs:
                 pool = g.graph.pool()
                 self._graphs[(bs, copy)] = g
         self.attention = {bs: self._graphs[(bs, 0)].backend.name for bs in self.batch_sizes}
-        log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s", self.batch_sizes, copies,
-                 self.attention)
+        log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s, fused norms %s",
+                 self.batch_sizes, copies, self.attention, self.fused_norms)
 
     @torch.inference_mode()
     def _capture(self, bs: int, backend, pool) -> _Graph:
@@ -110,7 +127,7 @@ class DecodeGraphs:
         positions = torch.zeros(bs, dtype=torch.long, device=dev)
         slots = torch.zeros(bs, dtype=torch.long, device=dev)
         backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
-        ctx = ForwardContext(backend, self.cache.kv, slots, self.ops)
+        ctx = ForwardContext(backend, self.cache.kv, slots, self.ops, fused_norms=self.fused_norms)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

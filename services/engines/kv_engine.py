@@ -27,6 +27,7 @@ from mstar.services.engines.attention import make_backend
 from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
 from mstar.services.engines.cuda_graphs import (
     DEFAULT_BATCH_SIZES,
+    FUSED_NORMS,
     GRAPH_ATTENTION,
     DecodeGraphs,
     graphs_unavailable_reason,
@@ -79,6 +80,10 @@ class EngineConfig:
     # top-k / top-p, sample in Triton kernels (sample_triton.py): auto (on CUDA when triton
     # imports) | on | off (the torch sampler)
     fused_sampler: str = "auto"
+    # decode graphs without RMSNorm kernels (the norm weights folded into the projections, each
+    # row's 1/rms applied by the attention and SiLU·mul kernels, residual adds inside the o_proj /
+    # down GEMMs): auto (where the model and graph attention allow) | on | off
+    fused_norms: str = "auto"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -86,6 +91,8 @@ class EngineConfig:
                              f"{', '.join(GRAPH_ATTENTION)}")
         if self.attention_min_split_tokens < 0:
             raise ValueError(f"EngineConfig.attention_min_split_tokens must be >= 0, got {self.attention_min_split_tokens}")
+        if self.fused_norms not in FUSED_NORMS:
+            raise ValueError(f"EngineConfig.fused_norms: '{self.fused_norms}' is not one of {', '.join(FUSED_NORMS)}")
         if self.fused_sampler not in FUSED_SAMPLER:
             raise ValueError(f"EngineConfig.fused_sampler: '{self.fused_sampler}' is not one of {', '.join(FUSED_SAMPLER)}")
 
@@ -137,7 +144,7 @@ class KVCacheEngine:
         elif config.cuda_graphs:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
-                                  min_split_tokens=config.attention_min_split_tokens)
+                                  min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

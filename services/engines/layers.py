@@ -37,6 +37,9 @@ class ForwardContext:
     kv: torch.Tensor  # [layer, k|v, page, slot, kv_head, dim] (PagedKVCache.kv)
     slots: torch.Tensor  # int64 [num_tokens]: cache slot of each new token's K/V
     ops: Ops = field(default=TORCH_OPS)  # RMSNorm / RoPE / SiLU·mul / K/V store kernels
+    # decode steps without norm kernels (DecoderLayer.forward_fused_norms): the layers' RMSNorm
+    # weights are folded into their projections and the backend applies row scales (scales_rows)
+    fused_norms: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -163,16 +166,28 @@ class PagedAttention(nn.Module):
         return (q.view(n, h.num_qo_heads, h.head_dim), k.view(n, h.num_kv_heads, h.head_dim),
                 v.view(n, h.num_kv_heads, h.head_dim))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+               row_rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """Attention output [n, q_size] before o_proj. ``row_rms`` (x, eps): ``x`` is not normalised;
+        the fused backend scales q / k / v by each row's 1 / rms (``scales_rows`` backends only)."""
         q, k, v = self.qkv(x)
         kv_layer = ctx.kv[self.layer_idx]
         if getattr(ctx.backend, "fuses_rope_store", False):  # one kernel: RoPE, K/V store, attention
-            o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, self.rope.cos_sin_cache(q.device))
+            cos_sin = self.rope.cos_sin_cache(q.device)
+            if row_rms is None:
+                o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, cos_sin)
+            else:
+                o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, cos_sin, row_rms=row_rms)
         else:
+            if row_rms is not None:
+                raise ValueError(f"attention backend '{ctx.backend.name}' does not apply row scales")
             q, k = ctx.ops.rope(self.rope, q, k, positions)
             ctx.ops.store_kv(kv_layer, ctx.slots, k, v)
             o = ctx.backend.run(q, kv_layer[0], kv_layer[1])
-        out = self.o_proj(o.reshape(x.shape[0], self.q_size))
+        return o.reshape(x.shape[0], self.q_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        out = self.o_proj(self.attend(x, positions, ctx))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -202,6 +217,45 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, ctx)
         h, residual = ops.add_rms_norm(h, residual, n2.weight, n2.eps)
         return self.mlp(h, ops), residual
+
+    def forward_fused_norms(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> None:
+        """The layer without its two RMSNorm kernels, on the residual stream ``h`` [n, hidden],
+        updated in place (``ctx.fused_norms``; needs ``fused_norms_unavailable_reason`` None).
+
+        The norm weights live in the projections (``fold_norms``), so norm(h) @ W.T = r · (h @ W.T)
+        with r = 1 / rms(h) per row: the qkv and gate_up GEMMs read ``h`` itself, the fused decode
+        kernel and the SiLU·mul kernel compute r and scale, and o_proj / down add into ``h`` in
+        their GEMM (beta = 1), which replaces the residual adds."""
+        from mstar.services.engines.rowscale_triton import silu_mul_rowscale
+
+        a, mlp = self.self_attn, self.mlp
+        h.addmm_(a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps)), a.o_proj.weight.t())
+        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps)
+        h.addmm_(act, mlp.down_proj.weight.t())
+
+
+def fold_norm_weights(layer: DecoderLayer) -> None:
+    """Multiply the layer's input / post-attention RMSNorm weights into the columns of the
+    projections that read their outputs (qkv, gate_up) and set them to ones:
+    (x̂ · g) @ W.T = x̂ @ (W · g).T. The same function (in bf16 the product rounds once more);
+    storage layout kept."""
+    for norm, lin in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                      (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+        w = lin.weight
+        w.data.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+        norm.weight.data.fill_(1)
+
+
+def fused_norms_unavailable_reason(layer: DecoderLayer, folded: bool) -> str | None:
+    """Why ``forward_fused_norms`` cannot run this layer (None: it can)."""
+    a, mlp = layer.self_attn, layer.mlp
+    if not folded:
+        return "the RMSNorm weights are not folded into the projections (fold_norms)"
+    if a.tp is not None or mlp.tp is not None:
+        return "tensor parallel: o_proj / down all-reduce before the residual add"
+    if any(lin.bias is not None for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return "projection biases (the row scale and the residual add would apply to them)"
+    return None
 
 
 def set_weight_layout(module: nn.Module, column_major: bool) -> None:

@@ -23,6 +23,8 @@ from mstar.services.engines.layers import (
     RMSNorm,
     RopeScaling,
     RotaryEmbedding,
+    fold_norm_weights,
+    fused_norms_unavailable_reason,
     set_weight_layout,
 )
 
@@ -125,6 +127,11 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.fused_norms:
+            h = embeds.clone()  # the residual stream, updated in place by every layer
+            for layer in self.layers:
+                layer.forward_fused_norms(h, positions, ctx)
+            return ctx.ops.rms_norm(h, self.norm.weight, self.norm.eps)
         h, residual = embeds, None
         for layer in self.layers:
             h, residual = layer(h, positions, ctx, residual)
@@ -138,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
     ([num_tokens] / [num_tokens, hidden], sequences concatenated) to final hidden states.
 
     With ``tp`` (a ``TensorParallel`` rank), ``cfg`` is the rank's shard (``LlamaConfig.shard``)."""
+
+    norms_folded = False  # fold_norms() ran
 
     def __init__(self, cfg: LlamaConfig, tp=None):
         super().__init__()
@@ -158,6 +167,20 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(embeds, positions, ctx)
+
+    def fold_norms(self) -> None:
+        """Fold every layer's two RMSNorm weights into its qkv / gate_up projections (outputs
+        unchanged up to rounding), which lets decode steps skip the norm kernels
+        (``ForwardContext.fused_norms``). ``from_pretrained`` does this on CUDA; idempotent."""
+        if not self.norms_folded:
+            for layer in self.model.layers:
+                fold_norm_weights(layer)
+            self.norms_folded = True
+
+    def fused_norms_unavailable_reason(self) -> str | None:
+        """Why forwards cannot take ``ctx.fused_norms`` (None: they can)."""
+        return next((r for layer in self.model.layers
+                     if (r := fused_norms_unavailable_reason(layer, self.norms_folded))), None)
 
     def compute_logits(self, hidden: torch.Tensor, vocab_ranges: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
         """Logits over the whole vocabulary, or only over ``vocab_ranges`` (half-open id
@@ -185,4 +208,5 @@ class LlamaForCausalLM(nn.Module):
         load_checkpoint(model, path, tp_rank=rank, tp_size=size)
         if torch.device(device).type == "cuda":
             set_weight_layout(model, column_major=True)
+            model.fold_norms()
         return model.requires_grad_(False).eval()

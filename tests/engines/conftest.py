@@ -6,18 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import tiny_hf_config
+from engine_helpers import tiny_hf_llama
 
 from mstar.services.engines import LlamaForCausalLM
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
-    from transformers import LlamaForCausalLM as HFLlama
-
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("tiny_llama")
-    HFLlama(tiny_hf_config()).eval().save_pretrained(d)
+    tiny_hf_llama().save_pretrained(d)
     return d
 
 

@@ -28,6 +28,20 @@ def tiny_hf_config(**overrides):
     return LlamaConfig(**kw)
 
 
+def tiny_hf_llama(**overrides):
+    """A random transformers Llama on ``tiny_hf_config(**overrides)`` whose RMSNorm weights are
+    random too (transformers initialises them to ones, which would hide a norm weight applied
+    wrongly, or folded into the wrong projection)."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    model = HFLlama(tiny_hf_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
 def make_engine(model, num_pages: int = 64, page_size: int = PAGE_SIZE, **kw) -> KVCacheEngine:
     spec = model.config.kv_spec(page_size, torch.float32)
     cfg = EngineConfig(page_size=page_size, kv_cache_bytes=num_pages * spec.bytes_per_page, **kw)

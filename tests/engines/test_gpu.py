@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-from engine_helpers import tiny_hf_config
+from engine_helpers import tiny_hf_llama
 
 from mstar.services.engines import (
     AttentionBatch,
@@ -55,17 +55,17 @@ def test_flashinfer_matches_torch_reference(causal, q_lens, kv_lens):
 
 @pytest.mark.parametrize("graph_attention", ["flashinfer", "triton"])
 def test_cuda_graph_decode_matches_eager(tmp_path, graph_attention):
-    from transformers import LlamaForCausalLM as HFLlama
-
     torch.manual_seed(0)
-    cfg = tiny_hf_config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
-    HFLlama(cfg).save_pretrained(tmp_path)
+    tiny_hf_llama(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
     prompts = {f"r{i}": list(range(3 + i, 20 + 5 * i)) for i in range(3)}
     greedy = SamplingParams(temperature=0, max_tokens=12)
     base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, attention="flashinfer")
     graphs = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=True, overlap=True, graph_attention=graph_attention))
     assert set(graphs.runner.graphs.attention.values()) == {f"{graph_attention}-graph"}
+    assert model.norms_folded  # from_pretrained on CUDA
+    # the fused Triton attention applies the norms' row scales: graphs without norm kernels
+    assert graphs.runner.graphs.fused_norms == (graph_attention == "triton")
     eager = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=False, overlap=False))
     assert graphs.cuda_graphs and graphs.overlap and graphs.ops.name == eager.ops.name == "flashinfer"
     a, b = graphs.generate(prompts, greedy), eager.generate(prompts, greedy)
@@ -121,12 +121,9 @@ def test_fused_kernels_are_as_accurate_as_torch_kernels(tmp_path):
     pass over their cached prefixes. A well-conditioned model (initializer_range 0.05): at 0.3
     attention is nearly one-hot and either path's error swings between 3% and 13% with the prompt
     (CPU emulation of the fused numerics: 0.84% vs 0.89% here)."""
-    from transformers import LlamaForCausalLM as HFLlama
-
     torch.manual_seed(1)
-    cfg = tiny_hf_config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                         initializer_range=0.05)
-    HFLlama(cfg).save_pretrained(tmp_path)
+    tiny_hf_llama(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                  initializer_range=0.05).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
     w = model.model.layers[0].mlp.gate_up_proj.weight
     assert w.stride() == (1, w.shape[0])  # from_pretrained on CUDA stores projections column-major
