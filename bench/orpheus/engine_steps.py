@@ -96,13 +96,15 @@ def main() -> None:
     ap.add_argument("--no-warm-sampler", action="store_true",
                     help="build the engine without its start-up sampler warm-up (KVCacheEngine.warm_sampler): "
                     "with a fresh TRITON_CACHE_DIR, warmup_b8.first_window_ms_p50 then shows the first-use compile")
+    ap.add_argument("--model-kwargs", default="{}", help="JSON merged into the node's model_kwargs (e.g. fused_norms)")
     args = ap.parse_args()
     root = Path(args.root)
     if not (root / "hubertsiuzdak").exists():
         write_checkpoints(root, tiny=args.tiny)
     ckpt = root / "canopylabs" / "orpheus-3b-0.1-ft"
     dev = "cpu" if args.tiny else "cuda:0"
-    kw = {"gpu_memory_fraction": 0.8, "max_num_seqs": 256, **({"kv_cache_bytes": 64 << 20} if args.tiny else {})}
+    kw = {"gpu_memory_fraction": 0.8, "max_num_seqs": 256, **({"kv_cache_bytes": 64 << 20} if args.tiny else {}),
+          **json.loads(args.model_kwargs)}
     if args.no_warm_sampler:
         from mstar.services.engines.kv_engine import KVCacheEngine
 
@@ -111,7 +113,7 @@ def main() -> None:
     engine = build_engine(ckpt, dev, engine_config(NodeContext("llm", dev, None, kw)))
     res = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu", "torch": torch.__version__,
            "prompt": PROMPT, "new_tokens": NEW, "engine_build_s": time.perf_counter() - t0,
-           "warm_sampler": not args.no_warm_sampler, "runs": []}
+           "warm_sampler": not args.no_warm_sampler, "model_kwargs": kw, "runs": []}
     res["warmup_b8"] = run(engine, 8, ORPHEUS, False)  # the warm-up: the first requests of a fresh engine
     print("warmup_b8", json.dumps(res["warmup_b8"]), flush=True)
     variants = {k: VARIANTS[k] for k in args.variants.split(",")}

@@ -5,7 +5,7 @@
 # placement in $PLACEMENTS (default "split"; -> OUTDIR/orpheus-<placement>$SUFFIX.json); "profile" also
 # py-spies every process at 64 streams (profile_served.py); "snac" runs the SNAC GPU tests and snac_bench.py first.
 # "tp" runs bench/engines/tp_bench.py (two GPUs); "steps" engine_steps.py (the engine alone, per
-# sampling variant, batches $STEP_BATCHES); "tests" the engine's and the SNAC node's GPU tests (-> pytest_gpu.txt);
+# sampling variant, batches $STEP_BATCHES, more arguments $STEP_ARGS); "tests" the engine's and the SNAC node's GPU tests (-> pytest_gpu.txt);
 # "trace" a kernel trace of every process at $TRACE_STREAMS streams (trace_served.py, -> trace$SUFFIX.json).
 # BENCH_ARGS "skip" runs no bench.
 # Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
@@ -47,7 +47,7 @@ if [[ $STAGES == *",tp,"* ]]; then  # two GPUs: the engine at TP=2 vs TP=1 on th
 fi
 if [[ $STAGES == *",steps,"* ]]; then  # the LLM engine alone: step time per sampling variant (engine_steps.py)
   stamp steps
-  python engine_steps.py --root /tmp/orpheus-ckpt --out "$OUT/engine_steps${SUFFIX:-}.json" --batches ${STEP_BATCHES:-16,128} 2>&1 | grep -v Warning
+  python engine_steps.py --root /tmp/orpheus-ckpt --out "$OUT/engine_steps${SUFFIX:-}.json" --batches ${STEP_BATCHES:-16,128} ${STEP_ARGS:-} 2>&1 | grep -v Warning
   save_jit
 fi
 if [[ $STAGES == *",trace,"* ]]; then  # a kernel trace of every process at $TRACE_STREAMS streams (trace_served.py)

@@ -142,3 +142,49 @@ def test_fused_kernels_are_as_accurate_as_torch_kernels(tmp_path):
         logits[name] = eng.logits(torch.cat(hs))
     err_fused, err_torch = _rel(logits["fused"], logits["fp32"]), _rel(logits["torch"], logits["fp32"])
     assert err_fused < 2e-2 and err_fused < 1.3 * err_torch, (err_fused, err_torch)
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path, pdl):
+    """One graph-replayed decode step (8 sequences after a 37-token prefill) in bf16 with the norms
+    fused (folded weights, row scales in the Triton kernels, residual adds in the GEMMs) and with
+    the norm kernels, each against the same weights in fp32 on the eager torch path. Same
+    well-conditioned model as above; both PDL settings."""
+    from mstar.services.engines.batch import SeqSlice, build_step_inputs
+
+    torch.manual_seed(1)
+    tiny_hf_llama(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                  initializer_range=0.05).save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
+    fp32 = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device="cuda")
+    base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, overlap=False, graph_batch_sizes=(8,), pdl=pdl)
+    engines = {
+        "fused": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="on")),
+        "kernels": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off")),
+        "fp32": KVCacheEngine(fp32, EngineConfig(**base, attention="torch", kernels="torch", cuda_graphs=False)),
+    }
+    assert engines["fused"].runner.graphs.fused_norms and not engines["kernels"].runner.graphs.fused_norms
+    prompts = [torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(s)) for s in range(8)]
+    ids = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(9))
+    logits = {}
+    for name, eng in engines.items():
+        eng.forward([ForwardItem(f"r{i}", token_ids=p) for i, p in enumerate(prompts)])
+        slices = []
+        for i in range(8):
+            eng.cache.reserve(f"r{i}", "main", 38)
+            slices.append(SeqSlice(f"r{i}", "main", 37, 1))
+        graphs = eng.runner.graphs
+        inputs = graphs.prepare(slices) if graphs else build_step_inputs(eng.cache, slices)
+        logits[name] = eng.logits(eng.runner.run(inputs, token_ids=ids))
+        assert eng.runner.last_run_replayed == (graphs is not None)
+    err_fused, err_kernels = _rel(logits["fused"], logits["fp32"]), _rel(logits["kernels"], logits["fp32"])
+    assert err_fused < 2e-2 and err_fused < 1.3 * err_kernels, (err_fused, err_kernels)
+
+
+def test_fused_norms_on_is_refused_where_the_graphs_cannot_apply_them(tmp_path):
+    torch.manual_seed(0)
+    tiny_hf_llama(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128).save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
+    base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, graph_batch_sizes=(1,))
+    with pytest.raises(RuntimeError, match="FlashInfer"):
+        KVCacheEngine(model, EngineConfig(**base, graph_attention="flashinfer", fused_norms="on"))
