@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from mstar.services.engines.attention import AttentionBatch, HeadShape
-from mstar.services.engines.rowscale_triton import _row_rsqrt, gdc_wait, pdl_supported
+from mstar.services.engines.rowscale_triton import _row_rsqrt
 
 #: Launch configuration: KV tokens per inner iteration (``BLOCK_N_FEW`` for graphs of fewer than
 #: ``MANY_SEQS`` sequences), warps per program, software-pipeline stages of the KV loop (None:
@@ -63,7 +63,6 @@ def _decode_kernel(
     res_ptr, res_stride, hidden, eps,  # ROWSCALE: q / k / v times 1 / rms(res[b]) (the layer's un-normalised input)
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr, ROWSCALE: tl.constexpr, HIDDEN_P2: tl.constexpr,
-    PDL: tl.constexpr,  # a programmatic dependent launch: wait for the previous kernel's output where marked
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,8 +72,6 @@ def _decode_kernel(
     g = tl.arange(0, GP)
     gmask = g < G
     qrow = b * q_stride + (h * G + g)[:, None] * D
-    # Before PDL's wait: what the preceding kernel (the qkv GEMM) does not write. The page table,
-    # positions and cos|sin come from before the graph; the residual row from two kernels back.
     first = tl.load(indptr_ptr + b)
     kv_len = (tl.load(indptr_ptr + b + 1) - first - 1) * PS + tl.load(last_ptr + b)
     if FUSED:
@@ -88,8 +85,6 @@ def _decode_kernel(
             r = _row_rsqrt(res_ptr, b, res_stride, hidden, eps, HIDDEN_P2)
         else:
             r = 1.0
-    if PDL:
-        gdc_wait()  # the qkv GEMM's output is complete and visible from here
     q = tl.load(q_ptr + qrow + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     if FUSED:
         q_pair = tl.load(q_ptr + qrow + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
@@ -218,9 +213,6 @@ class TritonGraphDecode:
         self.batch_size = batch_size
         self.splits = 1
         self.min_split_tokens = MIN_SPLIT_TOKENS
-        # launch the kernel as a programmatic dependent launch (Hopper and later): its blocks start
-        # as the previous kernel's finish and run the prologue before waiting for its output
-        self.pdl = True
         self._part = self._ml = None
         self._count = torch.zeros(batch_size * heads.num_kv_heads, dtype=torch.int32, device=device)
         self.set_splits(splits_for(batch_size, heads.num_kv_heads))
@@ -269,7 +261,6 @@ class TritonGraphDecode:
         out = torch.empty((n, h.num_qo_heads, d), dtype=k_cache.dtype, device=q.device)
         sp = self.splits
         part, ml = (self._part, self._ml) if sp > 1 else (out, out)
-        pdl = self.pdl and pdl_supported(q.device)
         res, eps = row_rms if row_rms is not None else (q, 0.0)
         if row_rms is not None and (res.dim() != 2 or res.shape[0] != n or res.stride(1) != 1):
             raise ValueError(f"row_rms: need [{n}, hidden] with dense rows, got shape {tuple(res.shape)}")
@@ -279,7 +270,7 @@ class TritonGraphDecode:
             res, res.stride(0), res.shape[-1], eps,
             HKV=h.num_kv_heads, G=h.group, GP=_padded_group(h), D=d, PS=self.page_size, BLOCK=self.block_n,
             FUSED=fused, SPLITS=sp, ROWSCALE=row_rms is not None,
-            HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1, PDL=pdl, launch_pdl=pdl,
+            HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1,
             num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )
         return out

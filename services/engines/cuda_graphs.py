@@ -64,12 +64,11 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None,
-                 fused_norms: str = "auto", pdl: bool = True):
+                 fused_norms: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
-        default). ``fused_norms``: one of ``FUSED_NORMS``. ``pdl``: the Triton kernels inside the
-        graphs start as programmatic dependent launches where supported (``TritonGraphDecode.pdl``)."""
+        default). ``fused_norms``: one of ``FUSED_NORMS``."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -109,7 +108,6 @@ class DecodeGraphs:
                                                 cache.allocator.num_pages)
                     if min_split_tokens is not None:
                         backend.min_split_tokens = min_split_tokens
-                    backend.pdl = pdl
                 else:
                     backend = FlashInferGraphDecode(
                         model.config.heads, dev, cache.spec.dtype, cache.page_size, bs, cache.allocator.num_pages,

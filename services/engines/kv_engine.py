@@ -84,9 +84,6 @@ class EngineConfig:
     # row's 1/rms applied by the attention and SiLU·mul kernels, residual adds inside the o_proj /
     # down GEMMs): auto (where the model and graph attention allow) | on | off
     fused_norms: str = "auto"
-    # the Triton kernels inside decode graphs start as programmatic dependent launches (Hopper and
-    # later): their blocks launch as the previous kernel's finish and run their prologue meanwhile
-    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -147,8 +144,7 @@ class KVCacheEngine:
         elif config.cuda_graphs:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
-                                  min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms,
-                                  pdl=config.pdl)
+                                  min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

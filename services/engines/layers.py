@@ -230,8 +230,7 @@ class DecoderLayer(nn.Module):
 
         a, mlp = self.self_attn, self.mlp
         h.addmm_(a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps)), a.o_proj.weight.t())
-        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps,
-                                pdl=getattr(ctx.backend, "pdl", False))  # h: written two kernels back
+        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps)
         h.addmm_(act, mlp.down_proj.weight.t())
 
 

@@ -15,19 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # a Triton without grid dependency control: PDL stays off (pdl_supported)
-    gdc_wait = None
-
 #: Output columns per program (programs per row = intermediate size / BLOCK).
 BLOCK = 1024
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched as programmatic dependent launches: CUDA on
-    Hopper or later, compiled (not the interpreter), with a Triton that has ``gdc_wait``."""
-    return (device.type == "cuda" and gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @triton.jit
@@ -40,35 +29,28 @@ def _row_rsqrt(src_ptr, row, src_stride, hidden, eps, HIDDEN_P2: tl.constexpr):
 
 @triton.jit
 def _silu_mul_rowscale_kernel(x_ptr, src_ptr, out_ptr, x_stride, src_stride, out_stride, inter, hidden, eps,
-                              BLOCK: tl.constexpr, HIDDEN_P2: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK: tl.constexpr, HIDDEN_P2: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    r = _row_rsqrt(src_ptr, row, src_stride, hidden, eps, HIDDEN_P2)  # src: written before the previous kernel
-    if PDL:
-        gdc_wait()  # x, the previous kernel's output, is complete from here
+    r = _row_rsqrt(src_ptr, row, src_stride, hidden, eps, HIDDEN_P2)
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32) * r
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32) * r
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul_rowscale(x: torch.Tensor, src: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+def silu_mul_rowscale(x: torch.Tensor, src: torch.Tensor, eps: float) -> torch.Tensor:
     """x [n, 2·I] (gate | up of un-normalised rows), src [n, hidden] (those rows) ->
-    silu(r·gate) · (r·up) [n, I], r = rsqrt(mean(src²) + eps) per row.
-
-    ``pdl``: launch as a programmatic dependent launch where supported (``pdl_supported``): the
-    blocks start as the previous kernel's (which wrote ``x``) finish and compute r meanwhile. Only
-    for an ``x`` written by the kernel right before this one and a ``src`` written earlier."""
+    silu(r·gate) · (r·up) [n, I], r = rsqrt(mean(src²) + eps) per row."""
     n, two_i = x.shape
     if two_i % 2 or src.shape[0] != n or x.stride(1) != 1 or src.stride(1) != 1:
         raise ValueError(f"need x [n, 2I] and src [n, hidden] with dense rows, got {tuple(x.shape)} / {tuple(src.shape)}")
     inter, hidden = two_i // 2, src.shape[1]
     out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    pdl = pdl and pdl_supported(x.device)
     _silu_mul_rowscale_kernel[(n, triton.cdiv(inter, BLOCK))](
         x, src, out, x.stride(0), src.stride(0), out.stride(0), inter, hidden, eps,
-        BLOCK=BLOCK, HIDDEN_P2=triton.next_power_of_2(hidden), PDL=pdl, launch_pdl=pdl,
+        BLOCK=BLOCK, HIDDEN_P2=triton.next_power_of_2(hidden),
     )
     return out
 

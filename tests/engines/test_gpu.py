@@ -68,12 +68,19 @@ def test_cuda_graph_decode_matches_eager(tmp_path, graph_attention):
     assert graphs.runner.graphs.fused_norms == (graph_attention == "triton")
     eager = KVCacheEngine(model, EngineConfig(**base, cuda_graphs=False, overlap=False))
     assert graphs.cuda_graphs and graphs.overlap and graphs.ops.name == eager.ops.name == "flashinfer"
-    a, b = graphs.generate(prompts, greedy), eager.generate(prompts, greedy)
+    a = graphs.generate(prompts, greedy)
     assert graphs.stats.graph_steps >= 10 and graphs.stats.pipelined_steps >= 5
-    same = sum(x == y for k in prompts for x, y in zip(a[k], b[k], strict=True))
-    # bf16: a padded batch may round split-kv differently and flip a near-tie token (and the rest of
-    # that sequence); broken replay (stale inputs, wrong pages) agrees on almost nothing.
-    assert same >= 0.75 * 3 * 12, (a, b)
+    # Teacher-forced: the eager path reads each prompt + the graphs' tokens in one pass; its argmax at
+    # every position should be the token the graphs chose there. In bf16 a near tie may flip (the two
+    # paths' kernels round differently) without derailing the positions after it, as it would if both
+    # generated freely; broken replay (stale inputs, wrong pages) agrees on ~1/256.
+    same = 0
+    for rid, p in prompts.items():
+        seq = p + a[rid]
+        (h,) = eager.forward([ForwardItem(rid, token_ids=torch.tensor(seq[:-1]), append=False)])
+        picks = eager.logits(h[len(p) - 1:]).argmax(-1).tolist()
+        same += sum(x == y for x, y in zip(picks, a[rid], strict=True))
+    assert same >= 0.9 * 3 * 12, (same, a)
     assert graphs.cache.num_free_pages == graphs.cache.allocator.num_usable
 
 
@@ -144,12 +151,11 @@ def test_fused_kernels_are_as_accurate_as_torch_kernels(tmp_path):
     assert err_fused < 2e-2 and err_fused < 1.3 * err_torch, (err_fused, err_torch)
 
 
-@pytest.mark.parametrize("pdl", [True, False])
-def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path, pdl):
+def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path):
     """One graph-replayed decode step (8 sequences after a 37-token prefill) in bf16 with the norms
     fused (folded weights, row scales in the Triton kernels, residual adds in the GEMMs) and with
     the norm kernels, each against the same weights in fp32 on the eager torch path. Same
-    well-conditioned model as above; both PDL settings."""
+    well-conditioned model as above."""
     from mstar.services.engines.batch import SeqSlice, build_step_inputs
 
     torch.manual_seed(1)
@@ -157,7 +163,7 @@ def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path, pdl):
                   initializer_range=0.05).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
     fp32 = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device="cuda")
-    base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, overlap=False, graph_batch_sizes=(8,), pdl=pdl)
+    base = dict(page_size=PAGE, kv_cache_bytes=64 * 1024 * 1024, overlap=False, graph_batch_sizes=(8,))
     engines = {
         "fused": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="on")),
         "kernels": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off")),
