@@ -10,11 +10,10 @@ GEMM. Also the residual-add form the fused-norm path uses (``h.addmm_(x, W.t())`
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
-from gpu_timing import graph_replay_ms
+from gpu_timing import graph_replay_ms, record_row
 
 LAYERS = 28
 SHAPES = {"qkv": (5120, 3072), "o_proj": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}
@@ -53,11 +52,7 @@ def main() -> None:
                 row[f"{lbl}_rel_err"] = ((got.float() - want).norm() / want.norm()).item()
             best = min((v, kk) for kk, v in row.items() if kk.endswith("_us") and not kk.startswith("addmm"))
             row["best"], row["floor_us"] = best[1], n * k * 2 / 2.93e12 * 1e6
-            print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
-            r["rows"].append(row)
-            r["elapsed_s"] = time.time() - t0
-            with open(args.out, "w") as f:
-                json.dump(r, f, indent=1)
+            record_row(r, row, args.out, t0)
         torch.cuda.empty_cache()
 
 

@@ -37,6 +37,19 @@ def graph_replay_ms(fn: Callable[[], object], reps: int = 20, warm: int = 3) -> 
     return statistics.median(times)
 
 
+def record_row(result: dict, row: dict, out: str, t0: float, hide_prefix: str = "") -> None:
+    """Print ``row`` (floats rounded, keys starting with ``hide_prefix`` left out), append it to
+    ``result["rows"]`` and rewrite ``out``, so a cut-off run keeps every finished row."""
+    import time
+
+    print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()
+                      if not (hide_prefix and a.startswith(hide_prefix))}), flush=True)
+    result["rows"].append(row)
+    result["elapsed_s"] = time.time() - t0
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def sweep(row: dict, prefix: str, configs: Iterable[tuple[int, ...]],
           run: Callable[[tuple[int, ...]], tuple[torch.Tensor, float]], want: torch.Tensor) -> tuple[float, str] | None:
     """Time launch configurations: ``run(cfg)`` returns (output, µs). Records ``{prefix}{key}_us``

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_replay_ms, sweep
+from gpu_timing import graph_replay_ms, record_row, sweep
 
 
 @triton.jit
@@ -111,12 +110,7 @@ def main() -> None:
                 row["cublas_colmajor_over_best_triton"] = row["cublas_colmajor_us"] / best[0]
                 row["best_triton_GBps"] = n * k * 2 / (best[0] * 1e-6) / 1e9
             row["cublas_colmajor_GBps"] = n * k * 2 / (row["cublas_colmajor_us"] * 1e-6) / 1e9
-            print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()
-                              if not a.startswith("triton_")}), flush=True)
-            r["rows"].append(row)
-            r["elapsed_s"] = time.time() - t0
-            with open(args.out, "w") as f:
-                json.dump(r, f, indent=1)
+            record_row(r, row, args.out, t0, hide_prefix="triton_")
         torch.cuda.empty_cache()
 
 
