@@ -4,6 +4,7 @@ from torch.profiler traces: shared by the engine micro-benchmarks and the trace 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import statistics
 from collections.abc import Callable, Iterable
@@ -37,17 +38,27 @@ def graph_replay_ms(fn: Callable[[], object], reps: int = 20, warm: int = 3) -> 
     return statistics.median(times)
 
 
-def record_row(result: dict, row: dict, out: str, t0: float, hide_prefix: str = "") -> None:
-    """Print ``row`` (floats rounded, keys starting with ``hide_prefix`` left out), append it to
+def record_row(result: dict, row: dict, out: str, t0: float, show: Callable[[str], bool] = lambda key: True) -> None:
+    """Print ``row`` (floats rounded, only the keys ``show`` accepts), append it to
     ``result["rows"]`` and rewrite ``out``, so a cut-off run keeps every finished row."""
     import time
 
-    print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()
-                      if not (hide_prefix and a.startswith(hide_prefix))}), flush=True)
+    print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items() if show(a)}), flush=True)
     result["rows"].append(row)
     result["elapsed_s"] = time.time() - t0
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def add_grid_args(ap, **defaults: str) -> None:
+    """Launch-configuration sweep options (``--block-n 16,32`` ...), one per keyword, in order."""
+    for name, default in defaults.items():
+        ap.add_argument("--" + name.replace("_", "-"), default=default)
+
+
+def config_grid(args, names: Iterable[str]) -> list[tuple[int, ...]]:
+    """Every combination of the comma-separated integer options ``names`` of ``args``, in order."""
+    return list(itertools.product(*(map(int, getattr(args, a).split(",")) for a in names)))
 
 
 def sweep(row: dict, prefix: str, configs: Iterable[tuple[int, ...]],

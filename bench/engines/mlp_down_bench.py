@@ -15,15 +15,13 @@ one (bench/results/engines/mlp-down/), so the engine keeps the unfused tail.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_replay_ms, sweep
+from gpu_timing import add_grid_args, config_grid, graph_replay_ms, record_row, sweep
 
 #: the kernel's launch configuration per padded row count: (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
 CONFIGS: dict[int, tuple[int, int, int, int, int]] = {
@@ -150,11 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,8,16,32,64")
-    ap.add_argument("--block-n", default="16,32,64")
-    ap.add_argument("--block-k", default="256,512")
-    ap.add_argument("--split-k", default="1,2")
-    ap.add_argument("--warps", default="4")
-    ap.add_argument("--stages", default="3,4,5")
+    add_grid_args(ap, block_n="16,32,64", block_k="256,512", split_k="1,2", warps="4", stages="3,4,5")
     ap.add_argument("--fused-layout", choices=("row", "column"), default="row",
                     help="the down weights the fused kernel reads (column: version (a) of the README)")
     args = ap.parse_args()
@@ -173,8 +167,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "silu_mul": silu_name,
            "default_configs": {str(k): v for k, v in CONFIGS.items()}, "args": vars(args), "rows": []}
     t0 = time.time()
-    grid = list(itertools.product(*(map(int, getattr(args, a).split(",")) for a in
-                                    ("block_n", "block_k", "split_k", "warps", "stages"))))
+    grid = config_grid(args, ("block_n", "block_k", "split_k", "warps", "stages"))
     for m in map(int, args.ms.split(",")):
         x = torch.randn(m, 2 * INTER, device=dev, dtype=dt)
         want = F.linear(silu_mul(x), ws[0]).float()
@@ -199,12 +192,7 @@ def main() -> None:
             row["best_GBps"] = N * INTER * 2 / (best[0] * 1e-6) / 1e9
         if "fused_default_us" in row:
             row["unfused_over_default"] = row["unfused_us"] / row["fused_default_us"]
-        print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()
-                          if not a.startswith("fused_") or "default" in a}), flush=True)
-        res["rows"].append(row)
-        res["elapsed_s"] = time.time() - t0
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        record_row(res, row, args.out, t0, show=lambda key: not key.startswith("fused_") or "default" in key)
 
 
 if __name__ == "__main__":

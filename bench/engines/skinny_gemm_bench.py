@@ -12,14 +12,13 @@ bench/results/engines/README.md).
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_replay_ms, record_row, sweep
+from gpu_timing import add_grid_args, config_grid, graph_replay_ms, record_row, sweep
 
 
 @triton.jit
@@ -77,18 +76,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,16,64")
-    ap.add_argument("--block-n", default="16,32,64")
-    ap.add_argument("--block-k", default="256,512")
-    ap.add_argument("--split-k", default="1,2,4")
-    ap.add_argument("--stages", default="4")
-    ap.add_argument("--warps", default="4")
+    add_grid_args(ap, block_n="16,32,64", block_k="256,512", split_k="1,2,4", stages="4", warps="4")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     r = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": []}
     t0 = time.time()
-    configs = list(itertools.product(*(map(int, getattr(args, a).split(",")) for a in
-                                       ("block_n", "block_k", "split_k", "stages", "warps"))))
+    configs = config_grid(args, ("block_n", "block_k", "split_k", "stages", "warps"))
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
@@ -110,7 +104,7 @@ def main() -> None:
                 row["cublas_colmajor_over_best_triton"] = row["cublas_colmajor_us"] / best[0]
                 row["best_triton_GBps"] = n * k * 2 / (best[0] * 1e-6) / 1e9
             row["cublas_colmajor_GBps"] = n * k * 2 / (row["cublas_colmajor_us"] * 1e-6) / 1e9
-            record_row(r, row, args.out, t0, hide_prefix="triton_")
+            record_row(r, row, args.out, t0, show=lambda key: not key.startswith("triton_"))
         torch.cuda.empty_cache()
 
 

@@ -72,6 +72,7 @@ def _decode_kernel(
     g = tl.arange(0, GP)
     gmask = g < G
     qrow = b * q_stride + (h * G + g)[:, None] * D
+    q = tl.load(q_ptr + qrow + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     first = tl.load(indptr_ptr + b)
     kv_len = (tl.load(indptr_ptr + b + 1) - first - 1) * PS + tl.load(last_ptr + b)
     if FUSED:
@@ -85,8 +86,6 @@ def _decode_kernel(
             r = _row_rsqrt(res_ptr, b, res_stride, hidden, eps, HIDDEN_P2)
         else:
             r = 1.0
-    q = tl.load(q_ptr + qrow + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-    if FUSED:
         q_pair = tl.load(q_ptr + qrow + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
         q = ((q * cos[None, :] + sign[None, :] * q_pair * sin[None, :]) * r).to(dtype).to(tl.float32)
         k_row = k_ptr + b * kv_stride + h * D
@@ -194,7 +193,6 @@ class TritonGraphDecode:
 
     name = "triton-graph"
     fuses_rope_store = True
-    scales_rows = True  # run_rope_store takes row_rms
 
     def __init__(self, heads: HeadShape, device: torch.device, dtype: torch.dtype, page_size: int,
                  batch_size: int, max_pages: int):

@@ -54,10 +54,14 @@ class Ops(Protocol):
 
 
 # -- the reference -------------------------------------------------------------------------
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_scale_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., 1] fp32: 1 / rms of each row, the factor RMSNorm applies before its weight."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x.float() * rms_scale_ref(x, eps)).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ class ForwardContext:
     slots: torch.Tensor  # int64 [num_tokens]: cache slot of each new token's K/V
     ops: Ops = field(default=TORCH_OPS)  # RMSNorm / RoPE / SiLU·mul / K/V store kernels
     # decode steps without norm kernels (DecoderLayer.forward_fused_norms): the layers' RMSNorm
-    # weights are folded into their projections and the backend applies row scales (scales_rows)
+    # weights are folded into their projections and the fused decode backend applies row scales
     fused_norms: bool = False
 
 
@@ -169,15 +169,12 @@ class PagedAttention(nn.Module):
     def attend(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                row_rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """Attention output [n, q_size] before o_proj. ``row_rms`` (x, eps): ``x`` is not normalised;
-        the fused backend scales q / k / v by each row's 1 / rms (``scales_rows`` backends only)."""
+        the fused RoPE + store backend scales q / k / v by each row's 1 / rms (that backend only)."""
         q, k, v = self.qkv(x)
         kv_layer = ctx.kv[self.layer_idx]
         if getattr(ctx.backend, "fuses_rope_store", False):  # one kernel: RoPE, K/V store, attention
-            cos_sin = self.rope.cos_sin_cache(q.device)
-            if row_rms is None:
-                o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, cos_sin)
-            else:
-                o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, cos_sin, row_rms=row_rms)
+            o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, self.rope.cos_sin_cache(q.device),
+                                           row_rms=row_rms)
         else:
             if row_rms is not None:
                 raise ValueError(f"attention backend '{ctx.backend.name}' does not apply row scales")

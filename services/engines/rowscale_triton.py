@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mstar.services.engines.kernels import rms_scale_ref
+
 #: Output columns per program (programs per row = intermediate size / BLOCK).
 BLOCK = 1024
 
@@ -53,12 +55,6 @@ def silu_mul_rowscale(x: torch.Tensor, src: torch.Tensor, eps: float) -> torch.T
         BLOCK=BLOCK, HIDDEN_P2=triton.next_power_of_2(hidden),
     )
     return out
-
-
-def rms_scale_ref(src: torch.Tensor, eps: float) -> torch.Tensor:
-    """[n, 1] fp32: 1 / rms of each row (the factor RMSNorm applies before its weight)."""
-    s = src.float()
-    return torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def silu_mul_rowscale_ref(x: torch.Tensor, src: torch.Tensor, eps: float) -> torch.Tensor:

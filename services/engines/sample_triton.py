@@ -31,7 +31,7 @@ float64 scan and a search: ~10 launches over [B, V], ~0.3 ms at 16 x 128k on an 
 2. a program per row: the row's maximum and total from the block stats (online-softmax
    merge), the block in which the cumulative mass first exceeds u x total, then a scan of
    that block alone for the token. Rows with min-p first sum the kept mass block by block
-   (two more passes over their row); greedy rows take the first arg-max.
+   (one more pass over their row); greedy rows take the first arg-max.
 
 Same results as the torch path up to float summation order and exp rounding, except among
 exactly tied probabilities at a top-p / top-k edge: the sorted path keeps a tie group in part
@@ -231,30 +231,17 @@ def _full_pick(logits_ptr, logits_stride, rows_ptr, n_rows, seen_ptr, seen_strid
     min_p = tl.load(rows_ptr + 5 * n_rows + r).to(tl.float32)
     greedy = tl.load(rows_ptr + 7 * n_rows + r)
     u = tl.load(rows_ptr + 8 * n_rows + r).to(tl.float32)
-    if min_p > 0:  # the kept mass per block needs the row's maximum: two passes over the row
-        total = 0.0
+    if min_p > 0:  # the kept mass per block needs the row's maximum: one more pass over the row
+        mass = tl.zeros([NB], tl.float32)
         for b in range(0, n_blocks):
-            total += tl.sum(_full_scaled_block(logits_ptr, row_off, rows_ptr, n_rows, r, seen_ptr, seen_row, b, vocab,
-                                               top_z, min_p, PENALIZE, BLOCK), 0)
-        target = u * total
-        hit = n_blocks
-        before = 0.0
-        last = 0
-        running = 0.0
-        for b in range(0, n_blocks):
-            blk = tl.sum(_full_scaled_block(logits_ptr, row_off, rows_ptr, n_rows, r, seen_ptr, seen_row, b, vocab,
-                                            top_z, min_p, PENALIZE, BLOCK), 0)
-            first = (hit == n_blocks) & (running + blk > target)
-            hit = tl.where(first, b, hit)
-            before = tl.where(first, running, before)
-            last = tl.where(blk > 0, b, last)
-            running += blk
-    else:
-        target = u * tl.sum(mass, 0)
-        cum = tl.cumsum(mass, 0)
-        hit = tl.min(tl.where(kin & (cum > target), k, n_blocks), 0)
-        before = tl.sum(tl.where(k < hit, mass, 0.0), 0)
-        last = tl.max(tl.where(mass > 0, k, 0), 0)
+            kept = tl.sum(_full_scaled_block(logits_ptr, row_off, rows_ptr, n_rows, r, seen_ptr, seen_row, b, vocab,
+                                             top_z, min_p, PENALIZE, BLOCK), 0)
+            mass = tl.where(k == b, kept, mass)
+    target = u * tl.sum(mass, 0)
+    cum = tl.cumsum(mass, 0)
+    hit = tl.min(tl.where(kin & (cum > target), k, n_blocks), 0)
+    before = tl.sum(tl.where(k < hit, mass, 0.0), 0)
+    last = tl.max(tl.where(mass > 0, k, 0), 0)
     # rounding can leave no block past the target: the last block with kept mass, its last token
     blk = tl.where(hit < n_blocks, hit, last)
     q = _full_scaled_block(logits_ptr, row_off, rows_ptr, n_rows, r, seen_ptr, seen_row, blk, vocab, top_z, min_p,

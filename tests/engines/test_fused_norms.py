@@ -20,13 +20,9 @@ from mstar.services.engines import EngineConfig, ForwardItem, LlamaForCausalLM  
 from mstar.services.engines.attention import HeadShape  # noqa: E402
 from mstar.services.engines.attn_triton import TritonGraphDecode  # noqa: E402
 from mstar.services.engines.batch import SeqSlice, build_step_inputs  # noqa: E402
-from mstar.services.engines.kernels import TORCH_OPS  # noqa: E402
+from mstar.services.engines.kernels import TORCH_OPS, rms_scale_ref  # noqa: E402
 from mstar.services.engines.layers import ForwardContext, RotaryEmbedding  # noqa: E402
-from mstar.services.engines.rowscale_triton import (  # noqa: E402
-    rms_scale_ref,
-    silu_mul_rowscale,
-    silu_mul_rowscale_ref,
-)
+from mstar.services.engines.rowscale_triton import silu_mul_rowscale, silu_mul_rowscale_ref  # noqa: E402
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; test_gpu.py covers CUDA")
 
@@ -116,6 +112,9 @@ def test_a_decode_step_without_norm_kernels_matches_the_reference(tiny_model):
     ref_ctx = ForwardContext(eng.runner.backend, cache.kv, inputs.attn.slots, TORCH_OPS)
     want = tiny_model(tiny_model.embed(ids), inputs.positions, ref_ctx)
     want_kv = cache.kv.clone()
+    with pytest.raises(ValueError, match="row scales"):  # only the fused decode backend applies them
+        x = folded.embed(ids)
+        folded.model.layers[0].self_attn.attend(x, inputs.positions, ref_ctx, row_rms=(x, 1e-5))
     dec = TritonGraphDecode(tiny_model.config.heads, torch.device("cpu"), torch.float32, PAGE_SIZE, 3,
                             cache.allocator.num_pages)
     dec.plan(inputs.attn)
