@@ -65,6 +65,8 @@ def run_case(bs: int, ctx: int, configs: list[str], rope, cos_sin, ops, gen) -> 
         bn, nw, ns, *sp = map(int, cfg.split("x"))
         tri.block_n, tri.num_warps, tri.num_stages = bn, nw, ns or None
         tri.set_splits(sp[0] if sp else 1)
+        tri.plan(batch)  # the step's split count follows the graph's (splits_for_context)
+        row[f"triton_{cfg}_active_splits"] = int(tri._indptr[-1])
 
         def tri_step():
             for lay, (q, k, v) in enumerate(views):
@@ -78,6 +80,7 @@ def run_case(bs: int, ctx: int, configs: list[str], rope, cos_sin, ops, gen) -> 
     default = attn_triton.TritonGraphDecode(h, dev, dt, PS, bs, num_pages)
     tri.block_n, tri.num_warps, tri.num_stages = default.block_n, default.num_warps, default.num_stages
     tri.set_splits(default.splits)
+    tri.plan(batch)
     row["triton_default"] = f"{tri.block_n}x{tri.num_warps}x{tri.num_stages or 0}x{tri.splits}"
 
     def tri_default():

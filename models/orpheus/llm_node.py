@@ -81,6 +81,7 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
         graph_attention=str(kw.get("graph_attention", "auto")),
         fused_sampler=str(kw.get("fused_sampler", "auto")),
         fused_norms=str(kw.get("fused_norms", "auto")),
+        down_gemm=str(kw.get("down_gemm", "auto")),
     )
 
 

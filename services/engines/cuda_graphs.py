@@ -37,6 +37,12 @@ GRAPH_ATTENTION = ("auto", "flashinfer", "triton")
 #: fused Triton attention, 'on' (an error where it cannot), 'off'.
 FUSED_NORMS = ("auto", "on", "off")
 
+#: The fused-norm graphs' down projection + residual add (``EngineConfig.down_gemm``,
+#: ``ForwardContext.triton_down``): 'auto' one Triton kernel (``gemm_triton.linear_add_``) in the
+#: graphs that skip the norm kernels, for batches up to its ``MAX_ROWS``; 'triton' (an error where
+#: the graphs keep their norm kernels); 'cublas' (addmm).
+DOWN_GEMM = ("auto", "triton", "cublas")
+
 
 def triton_unavailable_reason() -> str | None:
     try:
@@ -64,11 +70,12 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None,
-                 fused_norms: str = "auto"):
+                 fused_norms: str = "auto", down_gemm: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
-        default). ``fused_norms``: one of ``FUSED_NORMS``."""
+        default). ``fused_norms``: one of ``FUSED_NORMS``; ``down_gemm``: one of ``DOWN_GEMM`` (with the
+        Triton kernel the model's down weights are stored row-major, the layout it streams)."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -90,6 +97,19 @@ class DecodeGraphs:
             if why_not:
                 log.info("decode graphs keep their RMSNorm kernels: %s", why_not)
         self.fused_norms = fused_norms != "off" and why_not is None
+        if down_gemm not in DOWN_GEMM:
+            raise ValueError(f"down_gemm '{down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
+        if down_gemm == "triton" and not self.fused_norms:
+            raise RuntimeError("down_gemm='triton': the graphs keep their RMSNorm kernels (fused_norms is off or "
+                               "unavailable), and the Triton down projection adds into the fused-norm residual stream")
+        self.triton_down = down_gemm != "cublas" and self.fused_norms
+        self._down_rows = 0  # graphs of up to this many rows run the Triton down projection
+        if self.triton_down:
+            from mstar.services.engines.gemm_triton import MAX_ROWS
+            from mstar.services.engines.layers import set_down_row_major
+
+            set_down_row_major(model)
+            self._down_rows = MAX_ROWS
         self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.copies = copies
@@ -117,8 +137,8 @@ class DecodeGraphs:
                 pool = g.graph.pool()
                 self._graphs[(bs, copy)] = g
         self.attention = {bs: self._graphs[(bs, 0)].backend.name for bs in self.batch_sizes}
-        log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s, fused norms %s",
-                 self.batch_sizes, copies, self.attention, self.fused_norms)
+        log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s, fused norms %s, Triton down "
+                 "projection %s", self.batch_sizes, copies, self.attention, self.fused_norms, self.triton_down)
 
     @torch.inference_mode()
     def _capture(self, bs: int, backend, pool) -> _Graph:
@@ -127,7 +147,8 @@ class DecodeGraphs:
         positions = torch.zeros(bs, dtype=torch.long, device=dev)
         slots = torch.zeros(bs, dtype=torch.long, device=dev)
         backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
-        ctx = ForwardContext(backend, self.cache.kv, slots, self.ops, fused_norms=self.fused_norms)
+        ctx = ForwardContext(backend, self.cache.kv, slots, self.ops, fused_norms=self.fused_norms,
+                             triton_down=bs <= self._down_rows)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

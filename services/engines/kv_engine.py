@@ -27,6 +27,7 @@ from mstar.services.engines.attention import make_backend
 from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
 from mstar.services.engines.cuda_graphs import (
     DEFAULT_BATCH_SIZES,
+    DOWN_GEMM,
     FUSED_NORMS,
     GRAPH_ATTENTION,
     DecodeGraphs,
@@ -84,6 +85,9 @@ class EngineConfig:
     # row's 1/rms applied by the attention and SiLU·mul kernels, residual adds inside the o_proj /
     # down GEMMs): auto (where the model and graph attention allow) | on | off
     fused_norms: str = "auto"
+    # the down projection + residual add of those graphs (batches <= gemm_triton.MAX_ROWS): auto
+    # (one Triton kernel where fused_norms is on) | triton (an error where it cannot) | cublas
+    down_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -93,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.attention_min_split_tokens must be >= 0, got {self.attention_min_split_tokens}")
         if self.fused_norms not in FUSED_NORMS:
             raise ValueError(f"EngineConfig.fused_norms: '{self.fused_norms}' is not one of {', '.join(FUSED_NORMS)}")
+        if self.down_gemm not in DOWN_GEMM:
+            raise ValueError(f"EngineConfig.down_gemm: '{self.down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
         if self.fused_sampler not in FUSED_SAMPLER:
             raise ValueError(f"EngineConfig.fused_sampler: '{self.fused_sampler}' is not one of {', '.join(FUSED_SAMPLER)}")
 
@@ -144,7 +150,8 @@ class KVCacheEngine:
         elif config.cuda_graphs:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
-                                  min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms)
+                                  min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms,
+                                  down_gemm=config.down_gemm)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

@@ -40,6 +40,9 @@ class ForwardContext:
     # decode steps without norm kernels (DecoderLayer.forward_fused_norms): the layers' RMSNorm
     # weights are folded into their projections and the fused decode backend applies row scales
     fused_norms: bool = False
+    # with fused_norms: the down projection and its residual add as one Triton kernel
+    # (gemm_triton.linear_add_; the down weights stored row-major) instead of cuBLAS addmm
+    triton_down: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -228,7 +231,12 @@ class DecoderLayer(nn.Module):
         a, mlp = self.self_attn, self.mlp
         h.addmm_(a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps)), a.o_proj.weight.t())
         act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps)
-        h.addmm_(act, mlp.down_proj.weight.t())
+        if ctx.triton_down:
+            from mstar.services.engines.gemm_triton import linear_add_
+
+            linear_add_(h, act, mlp.down_proj.weight)
+        else:
+            h.addmm_(act, mlp.down_proj.weight.t())
 
 
 def fold_norm_weights(layer: DecoderLayer) -> None:
@@ -253,6 +261,16 @@ def fused_norms_unavailable_reason(layer: DecoderLayer, folded: bool) -> str | N
     if any(lin.bias is not None for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return "projection biases (the row scale and the residual add would apply to them)"
     return None
+
+
+def set_down_row_major(module: nn.Module) -> None:
+    """Store every MLP's down weight row-major ([N, K] contiguous), the layout the Triton down
+    projection (``gemm_triton.linear_add_``) streams; values unchanged."""
+    for m in module.modules():
+        if isinstance(m, GatedMLP):
+            w = m.down_proj.weight
+            if not w.is_contiguous():
+                w.data = w.data.contiguous()
 
 
 def set_weight_layout(module: nn.Module, column_major: bool) -> None:

@@ -20,6 +20,7 @@ from mstar.services.engines import EngineConfig, ForwardItem, LlamaForCausalLM  
 from mstar.services.engines.attention import HeadShape  # noqa: E402
 from mstar.services.engines.attn_triton import TritonGraphDecode  # noqa: E402
 from mstar.services.engines.batch import SeqSlice, build_step_inputs  # noqa: E402
+from mstar.services.engines.gemm_triton import MAX_ROWS, linear_add_  # noqa: E402
 from mstar.services.engines.kernels import TORCH_OPS, rms_scale_ref  # noqa: E402
 from mstar.services.engines.layers import ForwardContext, RotaryEmbedding  # noqa: E402
 from mstar.services.engines.rowscale_triton import silu_mul_rowscale, silu_mul_rowscale_ref  # noqa: E402
@@ -118,16 +119,45 @@ def test_a_decode_step_without_norm_kernels_matches_the_reference(tiny_model):
     dec = TritonGraphDecode(tiny_model.config.heads, torch.device("cpu"), torch.float32, PAGE_SIZE, 3,
                             cache.allocator.num_pages)
     dec.plan(inputs.attn)
-    for model, fused in ((folded, True), (folded, False), (tiny_model, False)):
-        ctx = ForwardContext(dec, cache.kv, inputs.attn.slots, TORCH_OPS, fused_norms=fused)
+    for model, fused, down in ((folded, True, False), (folded, True, True), (folded, False, False),
+                               (tiny_model, False, False)):
+        ctx = ForwardContext(dec, cache.kv, inputs.attn.slots, TORCH_OPS, fused_norms=fused, triton_down=down)
         got = model(model.embed(ids), inputs.positions, ctx)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cache.kv, want_kv, atol=1e-5, rtol=1e-5)
 
 
+@CPU_ONLY
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 70, 300), (16, 32, 256), (MAX_ROWS, 100, 520)])
+def test_triton_down_projection_adds_x_w_t_into_h(m, n, k):
+    """Partial column / K blocks and every row tile (16, 32): h + x @ w.T in fp32 (atol 1e-4
+    on O(10) sums), in place."""
+    g = torch.Generator().manual_seed(m)
+    h, x, w = torch.randn(m, n, generator=g), torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.2
+    want = h + x @ w.T
+    got = linear_add_(h, x, w)
+    assert got is h
+    torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
+
+
+@CPU_ONLY
+def test_triton_down_projection_refuses_what_it_cannot_run():
+    h, x, w = torch.zeros(4, 8), torch.zeros(4, 16), torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        linear_add_(torch.zeros(33, 8), torch.zeros(33, 16), w)
+    with pytest.raises(ValueError, match="unit inner strides"):
+        linear_add_(h, x, torch.zeros(16, 8).t())  # column-major w
+    with pytest.raises(ValueError, match="one dtype"):
+        linear_add_(h, x.double(), w)
+    with pytest.raises(ValueError, match=r"h \[M, N\]"):
+        linear_add_(torch.zeros(4, 9), x, w)
+
+
 def test_fused_norms_are_refused_where_they_do_not_apply(tmp_path):
     with pytest.raises(ValueError, match="fused_norms"):
         EngineConfig(fused_norms="yes")
+    with pytest.raises(ValueError, match="down_gemm"):
+        EngineConfig(down_gemm="cutlass")
     torch.manual_seed(0)
     tiny_hf_llama(attention_bias=True).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -159,3 +189,21 @@ def test_fused_norm_kernels_on_gpu_in_bf16():
     got = dec.run_rope_store(q, k, v, positions, slots, got_kv, rope.cos_sin_cache(dev), row_rms=(xs, 1e-5)).float()
     assert ((got - want).norm() / want.norm()).item() < 1e-2
     assert ((got_kv.float() - want_kv.float()).norm() / want_kv.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16, 24, 32])
+def test_triton_down_projection_on_gpu_matches_addmm(m):
+    """bf16 at the Llama-3.2-3B down shape against cuBLAS' h.addmm_(x, w.t()) (the graphs'
+    alternative): relative error 1e-2 against the fp32 sum, and no worse than cuBLAS' own."""
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(m)
+    h = (torch.randn(m, 3072, device=dev, generator=g) * 4).to(bf)
+    x = torch.randn(m, 8192, device=dev, generator=g).to(bf)
+    w = (torch.randn(3072, 8192, device=dev, generator=g) * 0.02).to(bf)
+    exact = h.float() + x.float() @ w.float().T
+    cublas = h.clone().addmm_(x, w.t()).float()
+    got = linear_add_(h.clone(), x, w).float()
+    err, err_cublas = ((got - exact).norm() / exact.norm()).item(), ((cublas - exact).norm() / exact.norm()).item()
+    assert err < 1e-2 and err <= 1.2 * err_cublas + 1e-6, (err, err_cublas)
