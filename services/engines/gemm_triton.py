@@ -48,9 +48,10 @@ def _linear_add_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, strid
     tl.store(at, (h + acc).to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """h [M, N] += x [M, K] @ w.T, w [N, K] row-major, M <= ``MAX_ROWS``; sums in fp32, one
-    rounding to h's dtype (as ``h.addmm_(x, w.t())``). Returns h."""
+    rounding to h's dtype (as ``h.addmm_(x, w.t())``). ``config``: (BLOCK_N, BLOCK_K, stages,
+    warps) instead of ``CONFIGS``' (benchmarks). Returns h."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_ROWS:
@@ -61,7 +62,7 @@ def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tens
                          f"{tuple(h.shape)} {h.dtype}, x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} "
                          f"strides {w.stride()}")
     bm = max(16, triton.next_power_of_2(m))
-    block_n, block_k, stages, warps = CONFIGS[bm]
+    block_n, block_k, stages, warps = config or CONFIGS[bm]
     _linear_add_kernel[(triton.cdiv(n, block_n),)](
         x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0),
         BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
