@@ -13,15 +13,12 @@ import argparse
 import time
 
 import torch
-from gpu_timing import add_grid_args, config_grid, graph_replay_ms, record_row, sweep
+from gpu_timing import add_grid_args, config_grid, record_row, sweep
+from skinny_gemm_bench import LAYERS, SHAPES, graph_us
 
 from mstar.services.engines import gemm_triton
 
-N, K, LAYERS = 3072, 8192, 28
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    return graph_replay_ms(fn, reps) * 1e3 / LAYERS
+N, K = SHAPES["down"]
 
 
 def main() -> None:
