@@ -165,6 +165,29 @@ def test_fused_norms_are_refused_where_they_do_not_apply(tmp_path):
     assert "bias" in model.fused_norms_unavailable_reason()
 
 
+def test_fused_norms_are_refused_under_tensor_parallelism():
+    """o_proj / down all-reduce their partial sums before the residual add, which the fused path
+    does inside the GEMM: a layer built with a tensor-parallel rank (size 2) says so."""
+    from types import SimpleNamespace
+
+    from mstar.services.engines.layers import (
+        DecoderLayer,
+        GatedMLP,
+        PagedAttention,
+        fused_norms_unavailable_reason,
+    )
+
+    tp = SimpleNamespace(size=2, rank=0)  # only its size is read at construction
+    heads = HeadShape(2, 1, 16)
+    rope = RotaryEmbedding(16, 10000.0, max_positions=64)
+    for attn_tp, mlp_tp in ((tp, None), (None, tp)):
+        layer = DecoderLayer(PagedAttention(0, 32, heads, rope, tp=attn_tp), GatedMLP(32, 64, tp=mlp_tp), 32, 1e-5)
+        assert "tensor parallel" in fused_norms_unavailable_reason(layer, folded=True)
+        assert "fold_norms" in fused_norms_unavailable_reason(layer, folded=False)
+    plain = DecoderLayer(PagedAttention(0, 32, heads, rope), GatedMLP(32, 64), 32, 1e-5)
+    assert fused_norms_unavailable_reason(plain, folded=True) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_norm_kernels_on_gpu_in_bf16():
