@@ -102,13 +102,12 @@ class DecodeGraphs:
         if down_gemm == "triton" and not self.fused_norms:
             raise RuntimeError("down_gemm='triton': the graphs keep their RMSNorm kernels (fused_norms is off or "
                                "unavailable), and the Triton down projection adds into the fused-norm residual stream")
-        self.triton_down = down_gemm != "cublas" and self.fused_norms
         self._down_rows = 0  # graphs of up to this many rows run the Triton down projection
-        if self.triton_down:
+        if down_gemm != "cublas" and self.fused_norms:
             from mstar.services.engines.gemm_triton import MAX_ROWS
-            from mstar.services.engines.layers import set_down_row_major
+            from mstar.services.engines.layers import set_weight_layout
 
-            set_down_row_major(model)
+            set_weight_layout(model, column_major=False, only="down_proj")
             self._down_rows = MAX_ROWS
         self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
@@ -159,6 +158,11 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool):
             out = self.model(self.model.embed(ids), positions, ctx)
         return _Graph(graph, ids, positions, slots, backend, out)
+
+    @property
+    def triton_down(self) -> bool:
+        """Some graphs run the down projection + residual add as one Triton kernel."""
+        return self._down_rows > 0
 
     def bucket(self, num_seqs: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= num_seqs), None)

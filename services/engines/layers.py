@@ -263,26 +263,18 @@ def fused_norms_unavailable_reason(layer: DecoderLayer, folded: bool) -> str | N
     return None
 
 
-def set_down_row_major(module: nn.Module) -> None:
-    """Store every MLP's down weight row-major ([N, K] contiguous), the layout the Triton down
-    projection (``gemm_triton.linear_add_``) streams; values unchanged."""
-    for m in module.modules():
-        if isinstance(m, GatedMLP):
-            w = m.down_proj.weight
-            if not w.is_contiguous():
-                w.data = w.data.contiguous()
-
-
-def set_weight_layout(module: nn.Module, column_major: bool) -> None:
+def set_weight_layout(module: nn.Module, column_major: bool, only: str | None = None) -> None:
     """Store every attention and MLP projection weight ([N, K]) column-major (its transpose [K, N]
     contiguous) or row-major. Values and shapes are unchanged, so are checkpoints and results.
     On an H100, cuBLAS reads the [K, N] form faster at decode sizes (gate_up 38.4 -> 36.4 µs at
     batch 1, o_proj 12.3 -> 9.7 µs at batch 16; down 3% slower at 64), and qkv / o_proj ~10%
-    slower at 2048-token prefill (bench/results/engines/README.md, GEMM efficiency)."""
+    slower at 2048-token prefill (bench/results/engines/README.md, GEMM efficiency).
+    ``only``: just the projections of that name (e.g. ``down_proj``, which the Triton down
+    projection ``gemm_triton.linear_add_`` streams row-major)."""
     for m in module.modules():
         if isinstance(m, PagedAttention | GatedMLP):
-            for lin in m.children():
-                if isinstance(lin, nn.Linear):
+            for name, lin in m.named_children():
+                if isinstance(lin, nn.Linear) and only in (None, name):
                     w = lin.weight
                     if (w.stride() == (1, w.shape[0])) != column_major:
                         w.data = w.data.t().contiguous().t() if column_major else w.data.contiguous()

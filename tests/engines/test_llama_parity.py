@@ -82,5 +82,9 @@ def test_column_major_weights_give_the_same_logits(tiny_model):
     assert w.stride() == (1, w.shape[0]) and torch.equal(w, tiny_model.model.layers[1].self_attn.qkv_proj.weight)
     got = model.compute_logits(dense_hidden(model, model.embed(ids), torch.arange(11), causal_mask(11)))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    set_weight_layout(model, column_major=False, only="down_proj")  # as the Triton down projection needs
+    layer = model.model.layers[1]
+    assert layer.mlp.down_proj.weight.is_contiguous() and not layer.mlp.gate_up_proj.weight.is_contiguous()
+    assert torch.equal(layer.mlp.down_proj.weight, tiny_model.model.layers[1].mlp.down_proj.weight)
     set_weight_layout(model, column_major=False)
     assert all(p.is_contiguous() for p in model.parameters())
