@@ -1,10 +1,15 @@
-"""The fused-norm decode graphs' down projection + residual add (``h += x @ w.T``, Llama-3.2-3B:
-N 3072, K 8192) at decode batch sizes: the Triton kernel (``gemm_triton.linear_add_``) under
-launch configurations against cuBLAS ``h.addmm_(x, w.t())`` on the
-column-major weight (what the graphs ran before) and on the row-major one. 28 weight copies, one
-per layer, in one CUDA graph (L2 holds none across calls); µs per GEMM, medians.
+"""The fused-norm decode graphs' Triton GEMMs at decode batch sizes (Llama-3.2-3B shapes), under
+launch configurations, against what cuBLAS runs in their place. 28 weight copies, one per layer,
+in one CUDA graph (L2 holds none across calls); µs per layer, medians.
 
-    python bench/engines/down_gemm_bench.py --out down_gemm.json [--ms 1,16,32] [--block-n 32,64 ...]
+- ``--op down``: the down projection + residual add ``h += x @ w.T`` (N 3072, K 8192),
+  ``gemm_triton.linear_add_``, against cuBLAS ``h.addmm_(x, w.t())`` on the column-major weight
+  (what the graphs ran before) and on the row-major one.
+- ``--op gate_up``: gate/up + SiLU·mul + the row's RMSNorm scale (2I 16384, K 3072),
+  ``gemm_triton.gate_up_silu``, against cuBLAS' GEMM on the column-major weight followed by
+  ``rowscale_triton.silu_mul_rowscale`` (the graphs' pair), and the cuBLAS GEMM alone.
+
+    python bench/engines/down_gemm_bench.py --out down_gemm.json [--op gate_up] [--ms 1,16,32] [--block-n 32,64 ...]
 """
 
 from __future__ import annotations
@@ -17,43 +22,68 @@ from gpu_timing import add_grid_args, config_grid, record_row, sweep
 from skinny_gemm_bench import LAYERS, SHAPES, graph_us
 
 from mstar.services.engines import gemm_triton
+from mstar.services.engines.rowscale_triton import silu_mul_rowscale, silu_mul_rowscale_ref
 
-N, K = SHAPES["down"]
+EPS = 1e-5
+
+
+def down_row(m: int, ws, wcm, configs, dev, dt) -> dict:
+    n, k = SHAPES["down"]
+    x = torch.randn(m, k, device=dev, dtype=dt)
+    h0 = torch.randn(m, n, device=dev, dtype=dt)
+    h = h0.clone()
+    want = h0.float() + x.float() @ ws[0].float().T
+    row = {"m": m, "weight_MB": n * k * 2 / 1e6,
+           "cublas_colmajor_us": graph_us(lambda: [h.addmm_(x, w.t()) for w in wcm]),
+           "cublas_rowmajor_us": graph_us(lambda: [h.addmm_(x, w.t()) for w in ws]),
+           "triton_default_us": graph_us(lambda: [gemm_triton.linear_add_(h, x, w) for w in ws])}
+
+    def run(cfg):
+        out = gemm_triton.linear_add_(h0.clone(), x, ws[0], config=cfg)
+        hh = h0.clone()
+        return out, graph_us(lambda: [gemm_triton.linear_add_(hh, x, w, config=cfg) for w in ws])
+
+    return row, sweep(row, "triton_", configs, run, want)
+
+
+def gate_up_row(m: int, ws, wcm, configs, dev, dt) -> dict:
+    two_i, k = SHAPES["gate_up"]
+    x = torch.randn(m, k, device=dev, dtype=dt) * 3  # un-normalised rows
+    want = silu_mul_rowscale_ref(x.float() @ ws[0].float().T, x.float(), EPS)
+    row = {"m": m, "weight_MB": two_i * k * 2 / 1e6,
+           "cublas_gemm_only_us": graph_us(lambda: [x @ w.t() for w in wcm]),
+           "cublas_colmajor_us": graph_us(lambda: [silu_mul_rowscale(x @ w.t(), x, EPS) for w in wcm]),
+           "triton_default_us": graph_us(lambda: [gemm_triton.gate_up_silu(x, w, EPS) for w in ws])}
+
+    def run(cfg):
+        out = gemm_triton.gate_up_silu(x, ws[0], EPS, config=cfg)
+        return out, graph_us(lambda: [gemm_triton.gate_up_silu(x, w, EPS, config=cfg) for w in ws])
+
+    return row, sweep(row, "triton_", configs, run, want)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--op", default="down", choices=("down", "gate_up"))
     ap.add_argument("--ms", default="1,16,32")
     add_grid_args(ap, block_n="32,64", block_k="128,256", stages="4,6", warps="4")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
+    defaults = gemm_triton.CONFIGS if args.op == "down" else gemm_triton.GATE_UP_CONFIGS
     r = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
-         "default_configs": {str(k): v for k, v in gemm_triton.CONFIGS.items()}, "rows": []}
+         "default_configs": {str(k): v for k, v in defaults.items()}, "rows": []}
     t0 = time.time()
     configs = config_grid(args, ("block_n", "block_k", "stages", "warps"))
-    ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    n, k = SHAPES[args.op]
+    ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
     wcm = [w.t().contiguous().t() for w in ws]  # column-major, as set_weight_layout stores them on CUDA
     for m in map(int, args.ms.split(",")):
-        x = torch.randn(m, K, device=dev, dtype=dt)
-        h0 = torch.randn(m, N, device=dev, dtype=dt)
-        h = h0.clone()
-        want = h0.float() + x.float() @ ws[0].float().T
-        row = {"m": m, "weight_MB": N * K * 2 / 1e6,
-               "cublas_colmajor_us": graph_us(lambda: [h.addmm_(x, w.t()) for w in wcm]),  # noqa: B023
-               "cublas_rowmajor_us": graph_us(lambda: [h.addmm_(x, w.t()) for w in ws])}  # noqa: B023
-        row["triton_default_us"] = graph_us(lambda: [gemm_triton.linear_add_(h, x, w) for w in ws])  # noqa: B023
-
-        def run(cfg, x=x, h0=h0):
-            out = gemm_triton.linear_add_(h0.clone(), x, ws[0], config=cfg)
-            hh = h0.clone()
-            return out, graph_us(lambda: [gemm_triton.linear_add_(hh, x, w, config=cfg) for w in ws])
-
-        best = sweep(row, "triton_", configs, run, want)
+        row, best = (down_row if args.op == "down" else gate_up_row)(m, ws, wcm, configs, dev, dt)
         if best:
             row["best_triton"], row["best_triton_us"] = best[1], best[0]
             row["cublas_colmajor_over_best_triton"] = row["cublas_colmajor_us"] / best[0]
-            row["best_triton_GBps"] = N * K * 2 / (best[0] * 1e-6) / 1e9
+            row["best_triton_GBps"] = n * k * 2 / (best[0] * 1e-6) / 1e9
         record_row(r, row, args.out, t0, show=lambda key: not key.startswith("triton_") or "default" in key)
 
 
