@@ -82,7 +82,6 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
         fused_sampler=str(kw.get("fused_sampler", "auto")),
         fused_norms=str(kw.get("fused_norms", "auto")),
         down_gemm=str(kw.get("down_gemm", "auto")),
-        gate_up_gemm=str(kw.get("gate_up_gemm", "cublas")),
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.services.engines.batch import SeqSlice, build_step_inputs
+from mstar.services.engines.batch import SeqSlice, build_step_inputs, side_stream
 from mstar.services.engines.kernels import TORCH_OPS, Ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.layers import ForwardContext
@@ -42,10 +42,6 @@ FUSED_NORMS = ("auto", "on", "off")
 #: graphs that skip the norm kernels, for batches up to its ``MAX_ROWS``; 'triton' (an error where
 #: the graphs keep their norm kernels); 'cublas' (addmm).
 DOWN_GEMM = ("auto", "triton", "cublas")
-#: The fused-norm graphs' gate/up projection + SiLU·mul + row scale (``EngineConfig.gate_up_gemm``,
-#: ``ForwardContext.triton_gate_up``), the same choices: one Triton kernel
-#: (``gemm_triton.gate_up_silu``) or cuBLAS' GEMM followed by ``silu_mul_rowscale``.
-GATE_UP_GEMM = DOWN_GEMM
 
 
 def triton_unavailable_reason() -> str | None:
@@ -69,18 +65,18 @@ class _Graph:
         self.graph, self.ids, self.positions, self.slots, self.backend, self.out = (
             graph, ids, positions, slots, backend, out,
         )
+        self.done = torch.cuda.Event()  # recorded after each replay: its inputs may be rewritten
 
 
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None,
-                 fused_norms: str = "auto", down_gemm: str = "auto", gate_up_gemm: str = "auto"):
+                 fused_norms: str = "auto", down_gemm: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
-        default). ``fused_norms``: one of ``FUSED_NORMS``; ``down_gemm`` / ``gate_up_gemm``: one of
-        ``DOWN_GEMM`` (with a Triton kernel the model's weights of that projection are stored
-        row-major, the layout it streams)."""
+        default). ``fused_norms``: one of ``FUSED_NORMS``; ``down_gemm``: one of ``DOWN_GEMM`` (with the
+        Triton kernel the model's down weights are stored row-major, the layout it streams)."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -102,9 +98,18 @@ class DecodeGraphs:
             if why_not:
                 log.info("decode graphs keep their RMSNorm kernels: %s", why_not)
         self.fused_norms = fused_norms != "off" and why_not is None
-        # graphs of up to this many rows run the Triton kernel of that projection
-        self._down_rows = self._triton_rows(model, "down_gemm", down_gemm, "down_proj")
-        self._gate_up_rows = self._triton_rows(model, "gate_up_gemm", gate_up_gemm, "gate_up_proj")
+        if down_gemm not in DOWN_GEMM:
+            raise ValueError(f"down_gemm '{down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
+        if down_gemm == "triton" and not self.fused_norms:
+            raise RuntimeError("down_gemm='triton': the graphs keep their RMSNorm kernels (fused_norms is off or "
+                               "unavailable), and the Triton down projection adds into the fused-norm residual stream")
+        self._down_rows = 0  # graphs of up to this many rows run the Triton down projection
+        if down_gemm != "cublas" and self.fused_norms:
+            from mstar.services.engines.gemm_triton import MAX_ROWS
+            from mstar.services.engines.layers import set_weight_layout
+
+            set_weight_layout(model, column_major=False, only="down_proj")
+            self._down_rows = MAX_ROWS
         self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.copies = copies
@@ -133,8 +138,7 @@ class DecodeGraphs:
                 self._graphs[(bs, copy)] = g
         self.attention = {bs: self._graphs[(bs, 0)].backend.name for bs in self.batch_sizes}
         log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s, fused norms %s, Triton down "
-                 "projection %s, Triton gate/up %s", self.batch_sizes, copies, self.attention, self.fused_norms,
-                 self.triton_down, self.triton_gate_up)
+                 "projection %s", self.batch_sizes, copies, self.attention, self.fused_norms, self.triton_down)
 
     @torch.inference_mode()
     def _capture(self, bs: int, backend, pool) -> _Graph:
@@ -144,7 +148,7 @@ class DecodeGraphs:
         slots = torch.zeros(bs, dtype=torch.long, device=dev)
         backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
         ctx = ForwardContext(backend, self.cache.kv, slots, self.ops, fused_norms=self.fused_norms,
-                             triton_down=bs <= self._down_rows, triton_gate_up=bs <= self._gate_up_rows)
+                             triton_down=bs <= self._down_rows)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -155,27 +159,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool):
             out = self.model(self.model.embed(ids), positions, ctx)
         return _Graph(graph, ids, positions, slots, backend, out)
-
-    def _triton_rows(self, model, knob: str, choice: str, proj: str) -> int:
-        """Most rows of the graphs that run ``proj`` as a Triton kernel (0: none) for the
-        ``knob`` setting ``choice``; stores that projection's weights row-major when any do."""
-        if choice not in DOWN_GEMM:
-            raise ValueError(f"{knob} '{choice}' is not one of {', '.join(DOWN_GEMM)}")
-        if choice == "triton" and not self.fused_norms:
-            raise RuntimeError(f"{knob}='triton': the graphs keep their RMSNorm kernels (fused_norms is off or "
-                               "unavailable), and the Triton kernel works on the fused-norm residual stream")
-        if choice == "cublas" or not self.fused_norms:
-            return 0
-        from mstar.services.engines.gemm_triton import MAX_ROWS
-        from mstar.services.engines.layers import set_weight_layout
-
-        set_weight_layout(model, column_major=False, only=proj)
-        return MAX_ROWS
-
-    @property
-    def triton_gate_up(self) -> bool:
-        """Some graphs run gate/up + SiLU·mul + row scale as one Triton kernel."""
-        return self._gate_up_rows > 0
 
     @property
     def triton_down(self) -> bool:
@@ -191,15 +174,30 @@ class DecodeGraphs:
         return None if bs is None else build_step_inputs(self.cache, slices, pad_to=bs)
 
     def replay(self, inputs, token_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph of ``inputs``' bucket. Its positions, slots and (Triton attention) page
+        table go up on the upload stream once the graph's previous replay is done with them; the
+        compute stream waits for them just before the replay, and meanwhile runs what is queued."""
         self._turn = (self._turn + 1) % self.copies
         g = self._graphs[(inputs.padded_rows, self._turn)]
         n = inputs.num_rows
+        main = torch.cuda.current_stream()
+        side = g.backend.name == "triton-graph"  # its plan is three copies; FlashInfer's plans on the compute stream
+        up = side_stream(main.device, "upload") if side else main
+        if side:
+            up.wait_event(g.done)
+        with torch.cuda.stream(up):
+            g.positions.copy_(inputs.positions.pin_memory(), non_blocking=True)  # pinned: no wait on the device
+            g.slots.copy_(inputs.attn.slots.pin_memory(), non_blocking=True)
+            if side:
+                g.backend.plan(inputs.attn)
+        if side:
+            main.wait_stream(up)
+        else:
+            g.backend.plan(inputs.attn)
         g.ids[:n].copy_(token_ids, non_blocking=True)
         g.ids[n:].zero_()
-        g.positions.copy_(inputs.positions.pin_memory(), non_blocking=True)  # pinned: no wait on the device
-        g.slots.copy_(inputs.attn.slots.pin_memory(), non_blocking=True)
-        g.backend.plan(inputs.attn)
         g.graph.replay()
+        g.done.record(main)
         self._last = g
         return g.out[:n]
 

@@ -1,7 +1,5 @@
-"""The MLP's GEMMs for decode steps without norm kernels (``ForwardContext.fused_norms``), as
-Triton kernels for a few rows: the down projection with the residual add (``linear_add_``), and
-the gate/up projection with SiLU·mul and the post-attention RMSNorm's row scale
-(``gate_up_silu``).
+"""The MLP's down projection with the residual add, for decode steps without norm kernels
+(``ForwardContext.fused_norms``): ``h += x @ w.T`` for a few rows, as one Triton kernel.
 
 cuBLAS runs this shape (a handful of rows, K = 8192, N = 3072 for Llama-3.2-3B) as a split-K GEMM
 plus a separate reduction kernel. Here each program owns BLOCK_N output columns for all rows,
@@ -10,12 +8,6 @@ pipeline, accumulates in fp32 and adds into ``h`` in its epilogue: one launch, n
 memory. On an H100 at 16 rows (bench/results/engines/2026-11-25c/step_trace-tdown.json) it takes
 21.3 µs a layer against cuBLAS' 19.9 + 2.1 µs for the reduction + 0.7 µs between the two. On a CPU
 it runs under ``TRITON_INTERPRET=1`` (the tests).
-
-``gate_up_silu`` replaces the gate/up GEMM and the SiLU·mul kernel after it
-(``rowscale_triton.silu_mul_rowscale``): each program owns BLOCK_N columns of gate and the same
-columns of up (two row-major runs of the [2I, K] weight), sums each input row's squares from the
-input tiles the K loop loads anyway, and writes silu(r·gate)·(r·up) with r = 1 / rms(row): one
-launch, no [rows, 2I] intermediate.
 """
 
 from __future__ import annotations
@@ -31,8 +23,6 @@ MAX_ROWS = 32
 #: Launch configuration per row tile: (BLOCK_N, BLOCK_K, pipeline stages, warps). On an H100
 #: (skinny_gemm_m16_sweep.json) 32 x 256 with 6 stages gave 21.0 µs at 16 rows.
 CONFIGS = {16: (32, 256, 6, 4), 32: (32, 256, 6, 4)}
-#: ``gate_up_silu``'s launch configuration per row tile: (BLOCK_N, BLOCK_K, stages, warps).
-GATE_UP_CONFIGS = {16: (32, 256, 4, 4), 32: (32, 256, 4, 4)}
 
 
 @triton.jit
@@ -77,56 +67,3 @@ def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: tuple
         x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0),
         BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
     return h
-
-
-@triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, INTER, K, stride_xm, stride_wn, stride_om, eps,
-                         BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.arange(0, BM)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    gate = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([BM], dtype=tl.float32)
-    nmask = rn[:, None] < INTER
-    for k in range(0, K, BLOCK_K):
-        kk = k + rk
-        kmask = kk[None, :] < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & kmask, other=0.0)
-        wg = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=nmask & kmask, other=0.0)
-        wu = tl.load(w_ptr + (rn[:, None] + INTER) * stride_wn + kk[None, :], mask=nmask & kmask, other=0.0)
-        xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, 1)
-        if x.dtype == tl.float32:
-            gate += tl.dot(x, tl.trans(wg), input_precision="ieee")
-            up += tl.dot(x, tl.trans(wu), input_precision="ieee")
-        else:
-            gate += tl.dot(x, tl.trans(wg))
-            up += tl.dot(x, tl.trans(wu))
-    r = 1.0 / tl.sqrt(squares / K + eps)
-    g = gate * r[:, None]
-    act = g / (1.0 + tl.exp(-g)) * (up * r[:, None])
-    mask = (rm[:, None] < M) & (rn[None, :] < INTER)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], act.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gate_up_silu(x: torch.Tensor, w: torch.Tensor, eps: float, config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """silu(r · x @ w_gate.T) · (r · x @ w_up.T) [M, I] with r = 1 / sqrt(mean(x²) + eps) per row:
-    x [M, K] un-normalised rows (the RMSNorm weight folded into ``w``), w [2I, K] row-major
-    (gate rows, then up rows), M <= ``MAX_ROWS``. Dot products in fp32 (not rounded before the
-    activation), one rounding to x's dtype. ``config`` as ``linear_add_``'s."""
-    m, k = x.shape
-    two_i = w.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"gate_up_silu takes at most {MAX_ROWS} rows, got {m}")
-    if w.shape[1] != k or two_i % 2 or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype != w.dtype:
-        raise ValueError(f"need x [M, K] and w [2I, K] row-major, one dtype; got x {tuple(x.shape)} {x.dtype}, "
-                         f"w {tuple(w.shape)} {w.dtype} strides {w.stride()}")
-    inter = two_i // 2
-    out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-    bm = max(16, triton.next_power_of_2(m))
-    block_n, block_k, stages, warps = config or GATE_UP_CONFIGS[bm]
-    _gate_up_silu_kernel[(triton.cdiv(inter, block_n),)](
-        x, w, out, m, inter, k, x.stride(0), w.stride(0), out.stride(0), eps,
-        BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
-    return out

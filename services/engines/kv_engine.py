@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.services.engines.attention import make_backend
-from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
+from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d, side_stream
 from mstar.services.engines.cuda_graphs import (
     DEFAULT_BATCH_SIZES,
     DOWN_GEMM,
@@ -88,8 +88,6 @@ class EngineConfig:
     # the down projection + residual add of those graphs (batches <= gemm_triton.MAX_ROWS): auto
     # (one Triton kernel where fused_norms is on) | triton (an error where it cannot) | cublas
     down_gemm: str = "auto"
-    # their gate/up projection + SiLU·mul + row scale, the same choices (gemm_triton.gate_up_silu)
-    gate_up_gemm: str = "cublas"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -99,9 +97,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.attention_min_split_tokens must be >= 0, got {self.attention_min_split_tokens}")
         if self.fused_norms not in FUSED_NORMS:
             raise ValueError(f"EngineConfig.fused_norms: '{self.fused_norms}' is not one of {', '.join(FUSED_NORMS)}")
-        for knob in ("down_gemm", "gate_up_gemm"):
-            if getattr(self, knob) not in DOWN_GEMM:
-                raise ValueError(f"EngineConfig.{knob}: '{getattr(self, knob)}' is not one of {', '.join(DOWN_GEMM)}")
+        if self.down_gemm not in DOWN_GEMM:
+            raise ValueError(f"EngineConfig.down_gemm: '{self.down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
         if self.fused_sampler not in FUSED_SAMPLER:
             raise ValueError(f"EngineConfig.fused_sampler: '{self.fused_sampler}' is not one of {', '.join(FUSED_SAMPLER)}")
 
@@ -154,7 +151,7 @@ class KVCacheEngine:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
                                   min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms,
-                                  down_gemm=config.down_gemm, gate_up_gemm=config.gate_up_gemm)
+                                  down_gemm=config.down_gemm)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)
@@ -372,11 +369,17 @@ class KVCacheEngine:
 
 
 def _to_host_async(tokens: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Start copying sampled tokens to the host; returns the host tensor and a wait."""
+    """Start copying sampled tokens to the host (on the download stream, after the kernels
+    queued so far: the compute stream goes on to the next step meanwhile); returns the host
+    tensor and a wait."""
     if tokens.device.type != "cuda":
         return tokens, lambda: None
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+    down = side_stream(tokens.device, "download")
+    down.wait_stream(torch.cuda.current_stream(tokens.device))
     done = torch.cuda.Event()
-    done.record()
+    with torch.cuda.stream(down):
+        host.copy_(tokens, non_blocking=True)
+        done.record(down)
+    tokens.record_stream(down)
     return host, done.synchronize

@@ -43,9 +43,6 @@ class ForwardContext:
     # with fused_norms: the down projection and its residual add as one Triton kernel
     # (gemm_triton.linear_add_; the down weights stored row-major) instead of cuBLAS addmm
     triton_down: bool = False
-    # with fused_norms: gate/up, SiLU·mul and the row scale as one Triton kernel
-    # (gemm_triton.gate_up_silu; the gate/up weights stored row-major) instead of cuBLAS + silu_mul_rowscale
-    triton_gate_up: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -233,13 +230,7 @@ class DecoderLayer(nn.Module):
 
         a, mlp = self.self_attn, self.mlp
         h.addmm_(a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps)), a.o_proj.weight.t())
-        eps = self.post_attention_layernorm.eps
-        if ctx.triton_gate_up:
-            from mstar.services.engines.gemm_triton import gate_up_silu
-
-            act = gate_up_silu(h, mlp.gate_up_proj.weight, eps)
-        else:
-            act = silu_mul_rowscale(mlp.gate_up_proj(h), h, eps)
+        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps)
         if ctx.triton_down:
             from mstar.services.engines.gemm_triton import linear_add_
 

@@ -20,7 +20,7 @@ from mstar.services.engines import EngineConfig, ForwardItem, LlamaForCausalLM  
 from mstar.services.engines.attention import HeadShape  # noqa: E402
 from mstar.services.engines.attn_triton import TritonGraphDecode  # noqa: E402
 from mstar.services.engines.batch import SeqSlice, build_step_inputs  # noqa: E402
-from mstar.services.engines.gemm_triton import MAX_ROWS, gate_up_silu, linear_add_  # noqa: E402
+from mstar.services.engines.gemm_triton import MAX_ROWS, linear_add_  # noqa: E402
 from mstar.services.engines.kernels import TORCH_OPS, rms_scale_ref  # noqa: E402
 from mstar.services.engines.layers import ForwardContext, RotaryEmbedding  # noqa: E402
 from mstar.services.engines.rowscale_triton import silu_mul_rowscale, silu_mul_rowscale_ref  # noqa: E402
@@ -119,11 +119,9 @@ def test_a_decode_step_without_norm_kernels_matches_the_reference(tiny_model):
     dec = TritonGraphDecode(tiny_model.config.heads, torch.device("cpu"), torch.float32, PAGE_SIZE, 3,
                             cache.allocator.num_pages)
     dec.plan(inputs.attn)
-    for model, fused, down, gate_up in ((folded, True, False, False), (folded, True, True, False),
-                                        (folded, True, True, True), (folded, False, False, False),
-                                        (tiny_model, False, False, False)):
-        ctx = ForwardContext(dec, cache.kv, inputs.attn.slots, TORCH_OPS, fused_norms=fused, triton_down=down,
-                             triton_gate_up=gate_up)
+    for model, fused, down in ((folded, True, False), (folded, True, True), (folded, False, False),
+                               (tiny_model, False, False)):
+        ctx = ForwardContext(dec, cache.kv, inputs.attn.slots, TORCH_OPS, fused_norms=fused, triton_down=down)
         got = model(model.embed(ids), inputs.positions, ctx)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cache.kv, want_kv, atol=1e-5, rtol=1e-5)
@@ -155,39 +153,11 @@ def test_triton_down_projection_refuses_what_it_cannot_run():
         linear_add_(torch.zeros(4, 9), x, w)
 
 
-@CPU_ONLY
-@pytest.mark.parametrize("m,inter,k", [(1, 48, 64), (5, 70, 300), (16, 32, 256), (MAX_ROWS, 100, 520)])
-def test_triton_gate_up_silu_matches_gemm_then_silu_mul_rowscale(m, inter, k):
-    """Partial column / K blocks and both row tiles: the one kernel equals the GEMM followed by
-    the SiLU·mul row-scale kernel's reference, in fp32 (atol 1e-4); rows far from unit RMS so a
-    missing or misplaced scale shows."""
-    g = torch.Generator().manual_seed(m + inter)
-    x = torch.randn(m, k, generator=g) * 5
-    w = torch.randn(2 * inter, k, generator=g) * 0.1
-    want = silu_mul_rowscale_ref(x @ w.T, x, 1e-5)
-    torch.testing.assert_close(gate_up_silu(x, w, 1e-5), want, atol=1e-4, rtol=1e-4)
-
-
-@CPU_ONLY
-def test_triton_gate_up_silu_refuses_what_it_cannot_run():
-    w = torch.zeros(8, 16)
-    with pytest.raises(ValueError, match="at most 32 rows"):
-        gate_up_silu(torch.zeros(33, 16), w, 1e-5)
-    with pytest.raises(ValueError, match="row-major"):
-        gate_up_silu(torch.zeros(4, 16), torch.zeros(16, 8).t(), 1e-5)  # column-major w
-    with pytest.raises(ValueError, match="row-major"):
-        gate_up_silu(torch.zeros(4, 16), torch.zeros(7, 16), 1e-5)  # odd 2I
-    with pytest.raises(ValueError, match="one dtype"):
-        gate_up_silu(torch.zeros(4, 16).double(), w, 1e-5)
-
-
 def test_fused_norms_are_refused_where_they_do_not_apply(tmp_path):
     with pytest.raises(ValueError, match="fused_norms"):
         EngineConfig(fused_norms="yes")
     with pytest.raises(ValueError, match="down_gemm"):
         EngineConfig(down_gemm="cutlass")
-    with pytest.raises(ValueError, match="gate_up_gemm"):
-        EngineConfig(gate_up_gemm="cutlass")
     torch.manual_seed(0)
     tiny_hf_llama(attention_bias=True).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -260,20 +230,3 @@ def test_triton_down_projection_on_gpu_matches_addmm(m):
     got = linear_add_(h.clone(), x, w).float()
     err, err_cublas = ((got - exact).norm() / exact.norm()).item(), ((cublas - exact).norm() / exact.norm()).item()
     assert err < 1e-2 and err <= 1.2 * err_cublas + 1e-6, (err, err_cublas)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 16, 24, 32])
-def test_triton_gate_up_silu_on_gpu_matches_cublas_then_silu_mul(m):
-    """bf16 at the Llama-3.2-3B gate/up shape against the graphs' alternative (cuBLAS GEMM, then
-    silu_mul_rowscale): relative error 1e-2 against fp32, and no worse than that pair's."""
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(m)
-    x = (torch.randn(m, 3072, device=dev, generator=g) * 4).to(bf)
-    w = (torch.randn(2 * 8192, 3072, device=dev, generator=g) * 0.02).to(bf)
-    exact = silu_mul_rowscale_ref(x.float() @ w.float().T, x.float(), 1e-5)
-    pair = silu_mul_rowscale(x @ w.t(), x, 1e-5).float()
-    got = gate_up_silu(x, w, 1e-5).float()
-    err, err_pair = ((got - exact).norm() / exact.norm()).item(), ((pair - exact).norm() / exact.norm()).item()
-    assert err < 1e-2 and err <= 1.2 * err_pair + 1e-6, (err, err_pair)
