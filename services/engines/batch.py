@@ -31,27 +31,15 @@ _SIDE_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
 
 
 def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """One stream per (device, purpose) ('upload', 'download') for small copies kept off the
-    compute stream: each copy between kernels there costs the step the copy and two engine
-    switches (~5 µs on an H100, bench/results/engines/2026-11-25d/)."""
+    """One stream per (device, purpose) for small copies kept off the compute stream ('upload':
+    the decode graphs' inputs): each copy between kernels there costs the step the copy and two
+    engine switches (~5 µs on an H100, bench/results/engines/2026-11-25d/). Copies on it only go
+    into persistent buffers: nothing is allocated on a side stream."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (purpose, index)
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=torch.device("cuda", index))
     return _SIDE_STREAMS[key]
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``h2d`` on the device's upload stream, the current stream made to wait for it: the copy
-    runs while the device computes (the host is ahead of it) instead of between two kernels."""
-    if device.type != "cuda":
-        return t.to(device)
-    main, up = torch.cuda.current_stream(device), side_stream(device, "upload")
-    with torch.cuda.stream(up):
-        out = t.pin_memory().to(device, non_blocking=True)
-    main.wait_stream(up)
-    out.record_stream(main)  # allocated on the upload stream, freed after the main stream's use
-    return out
 
 
 @dataclass(frozen=True)

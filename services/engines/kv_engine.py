@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.services.engines.attention import make_backend
-from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d, side_stream
+from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
 from mstar.services.engines.cuda_graphs import (
     DEFAULT_BATCH_SIZES,
     DOWN_GEMM,
@@ -369,17 +369,11 @@ class KVCacheEngine:
 
 
 def _to_host_async(tokens: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Start copying sampled tokens to the host (on the download stream, after the kernels
-    queued so far: the compute stream goes on to the next step meanwhile); returns the host
-    tensor and a wait."""
+    """Start copying sampled tokens to the host; returns the host tensor and a wait."""
     if tokens.device.type != "cuda":
         return tokens, lambda: None
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    down = side_stream(tokens.device, "download")
-    down.wait_stream(torch.cuda.current_stream(tokens.device))
+    host.copy_(tokens, non_blocking=True)
     done = torch.cuda.Event()
-    with torch.cuda.stream(down):
-        host.copy_(tokens, non_blocking=True)
-        done.record(down)
-    tokens.record_stream(down)
+    done.record()
     return host, done.synchronize

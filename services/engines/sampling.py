@@ -18,7 +18,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from mstar.services.engines.batch import h2d, upload
+from mstar.services.engines.batch import h2d
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ class Sampler:
         sequences (repetition penalty); ``counters`` are the rows' output indices (seeds).
         ``columns``: the logits cover only these sorted token ids (a restricted head); every
         row must then carry allowed ranges inside them. Every per-row number goes to the
-        device in one upload, on a side stream."""
+        device in one upload."""
         n, vocab = logits.shape
         dev = logits.device
         if n == 0:
@@ -347,7 +347,7 @@ class Sampler:
         if not greedy:
             host[3:8] = np.array([p.draw_row for p in params]).T
             host[8] = self._uniforms(params, counters)
-        per_row = upload(torch.from_numpy(host), dev)
+        per_row = h2d(torch.from_numpy(host), dev)
         if full:
             from mstar.services.engines.sample_triton import sample_full
 
