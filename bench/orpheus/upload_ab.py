@@ -50,7 +50,7 @@ def main(root: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 3.6))
-    for ax, b in zip(axes, batches):
+    for ax, b in zip(axes, batches, strict=True):
         names = [v for v in summary if b in summary[v]]
         for i, v in enumerate(names):
             ys = [r["step_ms_p50"] for r in summary[v][b]["runs"]]
