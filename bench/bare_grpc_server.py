@@ -18,9 +18,10 @@ class Bare(conductor_pb2_grpc.ConductorServicer):
         yield cpb.GenerateResponse(request_id="x", final=cpb.FinalEvent())
 
 
-async def main() -> None:
+async def serve(servicer: conductor_pb2_grpc.ConductorServicer) -> None:
+    """Serve ``servicer`` on a free loopback port, print the port, stop when stdin closes."""
     server = grpc.aio.server()
-    conductor_pb2_grpc.add_ConductorServicer_to_server(Bare(), server)
+    conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -29,4 +30,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    run_service(main())
+    run_service(serve(Bare()))

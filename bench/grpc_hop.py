@@ -36,16 +36,6 @@ class Gap(conductor_pb2_grpc.ConductorServicer):
         yield cpb.GenerateResponse(chunks=[cpb.OutputChunk(name="b", elapsed_s=time.perf_counter())])
 
 
-async def serve() -> None:
-    server = grpc.aio.server()
-    conductor_pb2_grpc.add_ConductorServicer_to_server(Gap(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(port, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
-    await server.stop(None)
-
-
 async def measure(address: str, samples: int) -> list[dict]:
     out = []
     async with grpc.aio.insecure_channel(address) as ch:
@@ -71,7 +61,9 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        run_service(serve())
+        from bare_grpc_server import serve
+
+        run_service(serve(Gap()))
         return
     proc = subprocess.Popen([sys.executable, __file__, "--out", "-", "--serve"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
