@@ -89,7 +89,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, eps: float, config: tuple[int
     return out
 
 
-def down_row(m: int, ws, wcm, configs, dev, dt) -> dict:
+def down_row(m: int, ws, wcm, configs, dev, dt) -> tuple[dict, tuple[float, str] | None]:
     n, k = SHAPES["down"]
     x = torch.randn(m, k, device=dev, dtype=dt)
     h0 = torch.randn(m, n, device=dev, dtype=dt)
@@ -108,7 +108,7 @@ def down_row(m: int, ws, wcm, configs, dev, dt) -> dict:
     return row, sweep(row, "triton_", configs, run, want)
 
 
-def gate_up_row(m: int, ws, wcm, configs, dev, dt) -> dict:
+def gate_up_row(m: int, ws, wcm, configs, dev, dt) -> tuple[dict, tuple[float, str] | None]:
     two_i, k = SHAPES["gate_up"]
     x = torch.randn(m, k, device=dev, dtype=dt) * 3  # un-normalised rows
     want = silu_mul_rowscale_ref(x.float() @ ws[0].float().T, x.float(), EPS)

@@ -27,19 +27,18 @@ def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-_SIDE_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
+_UPLOAD_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """One stream per (device, purpose) for small copies kept off the compute stream ('upload':
-    the decode graphs' inputs): each copy between kernels there costs the step the copy and two
-    engine switches (~5 µs on an H100, bench/results/engines/2026-11-25d/). Copies on it only go
-    into persistent buffers: nothing is allocated on a side stream."""
+def upload_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for the decode graphs' input copies, kept off the compute stream: each
+    copy between kernels there costs the step the copy and two engine switches (~5 µs on an H100,
+    bench/results/engines/2026-11-25d/). Copies on it only go into persistent buffers: nothing is
+    allocated on it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (purpose, index)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=torch.device("cuda", index))
-    return _SIDE_STREAMS[key]
+    if index not in _UPLOAD_STREAMS:
+        _UPLOAD_STREAMS[index] = torch.cuda.Stream(device=torch.device("cuda", index))
+    return _UPLOAD_STREAMS[index]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.services.engines.batch import SeqSlice, build_step_inputs, side_stream
+from mstar.services.engines.batch import SeqSlice, build_step_inputs, upload_stream
 from mstar.services.engines.kernels import TORCH_OPS, Ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.layers import ForwardContext
@@ -65,7 +65,7 @@ class _Graph:
         self.graph, self.ids, self.positions, self.slots, self.backend, self.out = (
             graph, ids, positions, slots, backend, out,
         )
-        self.done = torch.cuda.Event()  # recorded after each replay: its inputs may be rewritten
+        self.done = torch.cuda.Event()  # recorded after each replay that uploads on the side: its inputs may be rewritten
 
 
 class DecodeGraphs:
@@ -182,22 +182,20 @@ class DecodeGraphs:
         n = inputs.num_rows
         main = torch.cuda.current_stream()
         side = g.backend.name == "triton-graph"  # its plan is three copies; FlashInfer's plans on the compute stream
-        up = side_stream(main.device, "upload") if side else main
+        up = upload_stream(main.device) if side else main
         if side:
             up.wait_event(g.done)
         with torch.cuda.stream(up):
             g.positions.copy_(inputs.positions.pin_memory(), non_blocking=True)  # pinned: no wait on the device
             g.slots.copy_(inputs.attn.slots.pin_memory(), non_blocking=True)
-            if side:
-                g.backend.plan(inputs.attn)
+            g.backend.plan(inputs.attn)
         if side:
             main.wait_stream(up)
-        else:
-            g.backend.plan(inputs.attn)
         g.ids[:n].copy_(token_ids, non_blocking=True)
         g.ids[n:].zero_()
         g.graph.replay()
-        g.done.record(main)
+        if side:
+            g.done.record(main)
         self._last = g
         return g.out[:n]
 
