@@ -9,6 +9,13 @@
 # "trace" a kernel trace of every process at $TRACE_STREAMS streams (trace_served.py, -> trace$SUFFIX.json).
 # BENCH_ARGS "skip" runs no bench.
 # Checkpoints are written once; the FlashInfer JIT cache comes back as OUTDIR/fi-jit-cache.tgz.
+# .wheels/ (git-ignored) holds the cp312 wheels the GPU image lacks; without googleapis-common-protos the conductor
+# cannot start, without snac / einops the SNAC tests error. Rebuild it with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .wheels \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
+#     grpcio-reflection==1.85.1 grpcio-status==1.85.1 "protobuf>=7.35" googleapis-common-protos aiohttp \
+#     aiohappyeyeballs aiosignal frozenlist multidict propcache yarl idna uvloop prometheus-client py-spy snac einops
 set -u -o pipefail
 OUT=${1:?OUTDIR}; ARGS=${2:-}; STAGES=",${3:-},"
 T0=$(date +%s)
