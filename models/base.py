@@ -63,7 +63,7 @@ class RequestState:
 
 @dataclass(frozen=True)
 class Emit:
-    """A value a node sent to EMIT_TO_CLIENT."""
+    """A value a node sent to EMIT_TO_CLIENT or EMIT_TO_CONDUCTOR (``postprocess`` tells them apart by ``name``)."""
 
     name: str
     walk: str
@@ -219,6 +219,11 @@ class Model:
                 assert e.modality is not None
                 if self.outputs.setdefault(e.name, e.modality) is not e.modality:
                     raise GraphError(f"output '{e.name}' is emitted with two modalities")
+        for plan in self.plans.values():
+            for e in plan.conductor_emits:
+                if e.name in self.outputs:
+                    raise GraphError(f"'{e.name}' goes both to the client and to EMIT_TO_CONDUCTOR; give the "
+                                     f"conductor's value its own name (postprocess tells emits apart by name)")
 
     @property
     def node_names(self) -> list[str]:

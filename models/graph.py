@@ -9,11 +9,15 @@ Edge endpoints:
 - ``INPUT`` as a source: a walk input, given by the state machine when the walk
   starts or, failing that, a value persisted by an earlier walk under that name.
 - ``EMIT_TO_CLIENT`` as a destination: streamed to the client.
+- ``EMIT_TO_CONDUCTOR`` as a destination: a value for the model's own state machine. The
+  conductor's ``postprocess`` sees it as an Emit, as it sees client outputs; clients never do
+  (e.g. why a loop stopped, for the request's finish reason or the next walk's choice).
 
 Inside a Loop, an edge from a node to itself or to an earlier node of the loop
 body is *carried*: its value feeds the next iteration. An edge from a loop node to
 a node after the loop fires once, when the loop ends (last value, or the
-concatenation over iterations if the Loop accumulates that edge).
+concatenation over iterations if the Loop accumulates that edge). An emit from a loop node
+fires at every iteration, or once when the loop ends with ``at_loop_end=True``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 INPUT = "<input>"
 EMIT_TO_CLIENT = "<client>"
+EMIT_TO_CONDUCTOR = "<conductor>"
 
 
 class EngineType(enum.Enum):
@@ -57,6 +62,10 @@ class GraphEdge:
     persist: also keep the value for later walks of the same request (read there
         through an INPUT edge of the same name into the same node).
     modality: required when ``dst`` is EMIT_TO_CLIENT.
+    at_loop_end: for an emit (EMIT_TO_CLIENT / EMIT_TO_CONDUCTOR) from a node inside a Loop:
+        fire once, when the loop ends, with the last iteration's value (all iterations'
+        values concatenated if the Loop accumulates the name), instead of at every iteration.
+        The node still returns the output at every iteration.
     """
 
     src: str
@@ -64,6 +73,7 @@ class GraphEdge:
     name: str
     persist: bool = False
     modality: Modality | None = None
+    at_loop_end: bool = False
 
     @property
     def streaming(self) -> bool:

@@ -11,6 +11,7 @@ from functools import cached_property
 
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
+    EMIT_TO_CONDUCTOR,
     INPUT,
     GraphEdge,
     GraphError,
@@ -30,7 +31,8 @@ class EdgeKind(enum.Enum):
     ENTRY = "entry"  # outside a loop -> loop node (constant over iterations)
     CARRIED = "carried"  # loop node -> same-or-earlier loop node, next iteration
     EXIT = "exit"  # loop node -> node after the loop, once at loop end
-    EMIT = "emit"  # -> client, at every firing
+    EMIT = "emit"  # -> client / conductor, at every firing
+    EMIT_AT_END = "emit_at_end"  # loop node -> client / conductor, once at loop end
     STREAM = "stream"  # -> a chunk walk, item per firing
     PERSIST = "persist"  # -> a node of a later walk only (value is stored)
 
@@ -88,7 +90,13 @@ class WalkPlan:
 
     @property
     def emits(self) -> list[GraphEdge]:
+        """Edges to the client (the model's outputs)."""
         return [e for e in self.walk.edges if e.dst == EMIT_TO_CLIENT]
+
+    @property
+    def conductor_emits(self) -> list[GraphEdge]:
+        """Edges to the model's state machine only."""
+        return [e for e in self.walk.edges if e.dst == EMIT_TO_CONDUCTOR]
 
     @property
     def streams(self) -> list[StreamingGraphEdge]:
@@ -154,7 +162,8 @@ def plan_walk(walk: Walk, nodes: dict[str, GraphNode], walks: dict[str, Walk]) -
                 plans[e.dst].in_edges.append(pe)
     for lp in loops.values():
         for acc in lp.accumulate:
-            if not any(p.edge.name == acc and p.kind is EdgeKind.EXIT for n in lp.nodes for p in plans[n].out_edges):
+            if not any(p.edge.name == acc and p.kind in (EdgeKind.EXIT, EdgeKind.EMIT_AT_END)
+                       for n in lp.nodes for p in plans[n].out_edges):
                 raise GraphError(f"walk '{walk.name}': loop '{lp.name}' accumulates '{acc}' but no edge named '{acc}' leaves the loop")
     return WalkPlan(walk, plans, loops)
 
@@ -167,10 +176,17 @@ def _classify(walk: Walk, e: GraphEdge, plans: dict[str, NodePlan], walks: dict[
         return EdgeKind.INPUT
     if e.src not in plans:
         raise GraphError(f"{where} starts at '{e.src}', which does not run in this walk — add it to the body or remove the edge")
-    if e.dst == EMIT_TO_CLIENT:
-        if e.modality is None:
+    if e.at_loop_end and e.dst not in (EMIT_TO_CLIENT, EMIT_TO_CONDUCTOR):
+        raise GraphError(f"{where}: at_loop_end is for edges to EMIT_TO_CLIENT or EMIT_TO_CONDUCTOR; an edge from a "
+                         f"loop node to a node after the loop already fires once, when the loop ends")
+    if e.dst in (EMIT_TO_CLIENT, EMIT_TO_CONDUCTOR):
+        if e.dst == EMIT_TO_CLIENT and e.modality is None:
             raise GraphError(f"{where}: an edge to EMIT_TO_CLIENT needs a modality")
-        return EdgeKind.EMIT
+        if not e.at_loop_end:
+            return EdgeKind.EMIT
+        if plans[e.src].loop is None:
+            raise GraphError(f"{where}: at_loop_end needs '{e.src}' inside a Loop (outside one, an emit fires once anyway)")
+        return EdgeKind.EMIT_AT_END
     if isinstance(e, StreamingGraphEdge):
         topo = e.topology
         if topo is None or topo.src_walk != walk.name:

@@ -6,6 +6,7 @@ from mstar.config import ConfigError, Placement, parse_config
 from mstar.models.base import Model
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
+    EMIT_TO_CONDUCTOR,
     INPUT,
     FixedChunks,
     GraphEdge,
@@ -42,6 +43,17 @@ def test_edge_kinds_of_a_loop():
     assert kinds[("c", EMIT_TO_CLIENT, "tok")] is EdgeKind.EMIT
 
 
+def test_emits_at_a_loop_end_and_to_the_conductor():
+    m = make([Walk("w", Loop(Sequential("a", "b"), 4, stop_node="b", accumulate=frozenset({"all"})), [
+        GraphEdge("a", "b", "x"), GraphEdge("b", EMIT_TO_CLIENT, "last", modality=Modality.TEXT, at_loop_end=True),
+        GraphEdge("a", EMIT_TO_CONDUCTOR, "why", at_loop_end=True), GraphEdge("b", EMIT_TO_CONDUCTOR, "all", at_loop_end=True),
+        GraphEdge("b", EMIT_TO_CONDUCTOR, "each")])])
+    kinds = {(p.edge.src, p.edge.name): p.kind for n in m.plans["w"].nodes.values() for p in n.out_edges}
+    assert kinds[("b", "last")] is kinds[("a", "why")] is kinds[("b", "all")] is EdgeKind.EMIT_AT_END
+    assert kinds[("b", "each")] is EdgeKind.EMIT
+    assert m.outputs == {"last": Modality.TEXT}  # values for the conductor are no client outputs
+
+
 @pytest.mark.parametrize("walks,message", [
     ([Walk("w", Sequential("a", "zz"), [])], "unknown node 'zz'"),
     ([Walk("w", Sequential("a"), [GraphEdge("b", "a", "x")])], "starts at 'b', which does not run in this walk"),
@@ -52,6 +64,11 @@ def test_edge_kinds_of_a_loop():
     ([Walk("w", Loop("a", 2, stop_node="b"), [])], "stop_node 'b' is not in the loop body"),
     ([Walk("w", Loop("a", 2, accumulate=frozenset({"q"})), [])], "accumulates 'q'"),
     ([Walk("w", "a", [GraphEdge("a", EMIT_TO_CLIENT, "x")])], "needs a modality"),
+    ([Walk("w", "a", [GraphEdge("a", EMIT_TO_CONDUCTOR, "x", at_loop_end=True)])], "at_loop_end needs 'a' inside a Loop"),
+    ([Walk("w", Sequential(Loop("a", 2), "b"), [GraphEdge("a", "b", "x", at_loop_end=True)])],
+     "at_loop_end is for edges to EMIT_TO_CLIENT or EMIT_TO_CONDUCTOR"),
+    ([Walk("w", "a", [GraphEdge("a", EMIT_TO_CLIENT, "x", modality=Modality.TEXT), GraphEdge("a", EMIT_TO_CONDUCTOR, "x")])],
+     "'x' goes both to the client and to EMIT_TO_CONDUCTOR"),
     ([Walk("w", Sequential("a", "b"), [GraphEdge("a", "b", "x"), GraphEdge("a", "b", "x")])], "from two edges"),
     ([Walk("w", Loop("a", 3), [StreamingGraphEdge("a", "b", "s", policy=FixedChunks(2))])], "needs topology"),
     ([Walk("w", Loop("a", 3), [StreamingGraphEdge("a", "b", "s", topology=PartitionTopology("w", "nope"))])],

@@ -1,5 +1,6 @@
 """A loop split over two node groups: the owner decides the end, the other group
-learns it by LOOP_END; carried values, exits and persisted values cross groups."""
+learns it by LOOP_END; carried values, exits, persisted values and emits at the loop's end
+cross groups."""
 
 import grpc
 import pytest
@@ -8,7 +9,17 @@ import torch
 from mstar import wire
 from mstar.config import parse_config
 from mstar.models.base import Model, NodeSubmodule, Output, RequestState, WalkSeed
-from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Loop, Modality, Sequential, Walk
+from mstar.models.graph import (
+    EMIT_TO_CLIENT,
+    EMIT_TO_CONDUCTOR,
+    INPUT,
+    GraphEdge,
+    GraphNode,
+    Loop,
+    Modality,
+    Sequential,
+    Walk,
+)
 from mstar.models.registry import register
 from mstar.services.transport import Protocol
 from mstar.testing import inprocess_mesh
@@ -37,7 +48,8 @@ def a_fn(c):
 NODES = {
     "src": Fn(lambda c: {"start": c.inputs["n"]}),
     "a": None,
-    "b": Fn(lambda c: {"ball": c.inputs["ball"] + 1000, "trail": c.inputs["ball"], "tock": c.inputs["ball"]}),
+    "b": Fn(lambda c: {"ball": c.inputs["ball"] + 1000, "trail": c.inputs["ball"], "tock": c.inputs["ball"],
+                       "rounds": torch.tensor([c.iteration + 1])}),
     "c": Fn(lambda c: {"total": c.inputs["trail"].sum().reshape(1)}),
 }
 
@@ -45,15 +57,20 @@ NODES = {
 class PingPong(Model):
     name = "pingpong"
     nodes = tuple(GraphNode(n) for n in NODES)
+    last_tick_only = False
 
     def build_walks(self):
         return [
             Walk("prep", "src", [GraphEdge(INPUT, "src", "n"), GraphEdge("src", "a", "start", persist=True)]),
             Walk("play", Sequential(Loop(Sequential("a", "b"), 50, stop_node="a", accumulate=frozenset({"trail"})), "c"), [
                 GraphEdge(INPUT, "a", "start"), GraphEdge("a", "b", "ball"), GraphEdge("b", "a", "ball"),
-                GraphEdge("b", "c", "trail"), GraphEdge("a", EMIT_TO_CLIENT, "tick", modality=Modality.LATENT),
+                GraphEdge("b", "c", "trail"),
                 GraphEdge("b", EMIT_TO_CLIENT, "tock", modality=Modality.LATENT),
-                GraphEdge("c", EMIT_TO_CLIENT, "total", modality=Modality.LATENT)]),
+                GraphEdge("c", EMIT_TO_CLIENT, "total", modality=Modality.LATENT),
+                # once, at the loop's end: from the owner group (a) and from the other one (b)
+                GraphEdge("a", EMIT_TO_CLIENT, "tick", modality=Modality.LATENT, at_loop_end=True)
+                if self.last_tick_only else GraphEdge("a", EMIT_TO_CLIENT, "tick", modality=Modality.LATENT),
+                GraphEdge("b", EMIT_TO_CONDUCTOR, "rounds", at_loop_end=True)]),
         ]
 
     def process_prompt(self, prompt):
@@ -63,6 +80,9 @@ class PingPong(Model):
         return {None: WalkSeed("prep", {"n": torch.tensor([state.data["n"]])}), "prep": WalkSeed("play")}.get(finished)
 
     def postprocess(self, state, emit):
+        if emit.name == "rounds":  # for the state machine only: the request's finish reason
+            state.finish_reason = f"rounds={int(emit.tensor)}"
+            return []
         return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
 
     def create_submodule(self, ctx):
@@ -88,6 +108,33 @@ def test_loop_split_over_two_groups(protocol):
                 assert vals["tock"] == list(range(1, n + 1))  # the far side ran exactly the owner's iterations
                 assert vals["total"] == [n * (n + 1) // 2]  # accumulated exit crossed back
                 assert final.usage.walks == 2
+                assert final.finish_reason == f"rounds={n}"  # b's value at the loop's end, postprocessed
+                assert "rounds" not in out  # EMIT_TO_CONDUCTOR never reaches the client
+            await wait_released(mesh)
+    run(go())
+
+
+class LastTick(PingPong):
+    name = "pingpong_last"
+    last_tick_only = True
+
+
+register("pingpong_last", f"{__name__}:LastTick")
+
+
+def test_emits_at_the_loop_end_fire_once_from_either_group():
+    cfg = parse_config({"model": "pingpong_last", "node_groups": [
+        {"name": "left", "node_names": ["src", "a", "c"]}, {"name": "right", "node_names": ["b"]}]})
+    assert LastTick().outputs == {"tick": Modality.LATENT, "tock": Modality.LATENT, "total": Modality.LATENT}
+
+    async def go():
+        async with inprocess_mesh(cfg, Protocol.TCP) as mesh:
+            for n in (1, 7):
+                out, final = await collect(mesh.stub, cpb.GenerateRequest(model="pingpong_last", text=str(n)))
+                vals = {k: [wire.from_proto(c.tensor).item() for c in v] for k, v in out.items()}
+                assert vals["tick"] == [n]  # the last iteration's value, once
+                assert vals["tock"] == list(range(1, n + 1))  # every iteration
+                assert final.finish_reason == f"rounds={n}"
             await wait_released(mesh)
     run(go())
 

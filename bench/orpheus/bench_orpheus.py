@@ -107,19 +107,20 @@ def buffer_needed_s(arrivals: list[tuple[float, float]]) -> float:
 async def stream(stub, i: int, max_tokens: int) -> dict:
     req = cpb.GenerateRequest(model="orpheus", text=TEXT, model_kwargs_json=json.dumps({**KNOBS, "max_tokens": max_tokens, "seed": i}))
     t0 = time.perf_counter()
-    arrivals, samples = [], 0
+    arrivals, samples, finish = [], 0, ""
     async for r in stub.Generate(req, timeout=600):
         now = time.perf_counter() - t0
         for c in r.chunks:
             if c.name == "audio" and c.data:
                 arrivals.append((now, len(c.data) // 2 / 24000))
                 samples += len(c.data) // 2
+        if r.HasField("final"):
+            finish = r.final.finish_reason
     total = time.perf_counter() - t0
     audio_s = samples / 24000
     return {"ttfa_s": arrivals[0][0] if arrivals else None, "total_s": total, "audio_s": audio_s,
             "rtf": total / audio_s if audio_s else None, "buffer_needed_s": buffer_needed_s(arrivals),
-            # fewer frames than max_tokens makes: the stream sampled end-of-speech (the model's
-            # finish_reason is "stop" either way)
+            "finish_reason": finish,  # "stop": the stream sampled end-of-speech before max_tokens
             "full_length": samples >= max_tokens // TOKENS_PER_FRAME * 2048}
 
 
@@ -182,7 +183,8 @@ async def mstar_level(address: str, streams: int, max_tokens: int) -> dict:
             "audio_s_per_s": audio / wall, "ttfa_p50_s": statistics.median(ttfa), "ttfa_max_s": ttfa[-1],
             "rtf_p50": statistics.median(rtf), "rtf_max": rtf[-1],
             "rtf_max_full_length": max((r["rtf"] for r in full), default=None),
-            "stopped_early": len(res) - len(full), "audio_s_min": min(r["audio_s"] for r in res),
+            "stopped_early": len(res) - len(full), "finish_stop": sum(r["finish_reason"] == "stop" for r in res),
+            "audio_s_min": min(r["audio_s"] for r in res),
             "playback_buffer_p50_s": statistics.median(buffers), "playback_buffer_max_s": buffers[-1],
             "all_real_time": bool(full) and max(r["rtf"] for r in full) < 1.0}
 

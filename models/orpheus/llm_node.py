@@ -23,6 +23,9 @@ from mstar.models.orpheus.tokens import (
     AUDIO_TOKEN_OFFSET,
     CODES_PER_POSITION,
     END_OF_SPEECH,
+    FINISH_LENGTH,
+    FINISH_NONE,
+    FINISH_STOP,
     TOKENS_PER_FRAME,
 )
 from mstar.services.engines.engine_process import EngineProcess
@@ -163,16 +166,17 @@ class OrpheusLLM(EngineNode):
         if call.walk == "prefill":
             return False  # adds a sequence to the engine: the engine's thread only
         rid = call.request_id
+        ended = False
         with self.lock:
             buf = self.buffered.get(rid)
             if buf:
                 token = buf.popleft()
-            elif rid in self.finished:  # the engine stopped (stop token / max_tokens): end the loop
-                token = END_OF_SPEECH
+            elif rid in self.finished:  # the engine stopped at max_tokens (a sampled stop token came as a token): end the loop
+                token, ended = END_OF_SPEECH, True
             else:
                 self.pending[rid] = call
                 return True
-        return self._outputs(call, token)
+        return self._outputs(call, token, ended)
 
     @property
     def has_work(self) -> bool:
@@ -215,10 +219,22 @@ class OrpheusLLM(EngineNode):
             self.finished.discard(request_id)
 
     # -- helpers -------------------------------------------------------------------------
-    def _outputs(self, call: NodeCall, token: int) -> dict[str, torch.Tensor]:
+    def _outputs(self, call: NodeCall, token: int, ended: bool = False) -> dict[str, torch.Tensor]:
+        """A call's outputs: the next ``token``; for decode also the code of the token it was
+        given and why the stream ends if it does (``finish``, read once at the loop's end).
+        ``ended``: ``token`` is no sample but the end-of-speech that stops the loop once the
+        engine finished the sequence at max_tokens."""
         out = {"token": scalar(token)}
         if call.walk == "decode":
-            out["code"] = self._code(call, call.inputs["token"].item())
+            given = call.inputs["token"].item()
+            out["code"] = self._code(call, given)
+            if given == END_OF_SPEECH:  # prefill sampled the stop token: the loop ends at once
+                finish = FINISH_STOP
+            elif ended:
+                finish = FINISH_LENGTH
+            else:
+                finish = FINISH_STOP if token == END_OF_SPEECH else FINISH_NONE
+            out["finish"] = scalar(finish)
         return out
 
     @staticmethod

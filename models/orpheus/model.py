@@ -3,7 +3,8 @@
 Walks:
 - ``prefill``: the LLM reads the prompt and samples the first token (kept for ``decode``);
 - ``decode``: a Loop over the LLM, one token per iteration, ending at end-of-speech or
-  ``max_tokens``; every valid audio code streams to the SNAC decoder over a sliding
+  ``max_tokens`` (which one reaches the conductor at the loop's end: the request's
+  ``finish_reason`` is ``stop`` or ``length``); every valid audio code streams to the SNAC decoder over a sliding
   window of 28 codes (4 frames) advancing 7 (1 frame), the first window at 21 codes
   (frame 0 and its two frames of right context; ``first_window_frames: 4`` waits for 28;
   ``snac_stride_frames: n`` decodes n frames a window, see ``tokens.window_plan``);
@@ -30,6 +31,7 @@ from mstar.models.base import (
 )
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
+    EMIT_TO_CONDUCTOR,
     INPUT,
     EngineType,
     GraphEdge,
@@ -47,7 +49,7 @@ from mstar.models.orpheus.checkpoint import (
     open_checkpoint,
     resolve_checkpoint,
 )
-from mstar.models.orpheus.tokens import VOICES, build_prompt_ids, window_plan
+from mstar.models.orpheus.tokens import FINISH_STOP, VOICES, build_prompt_ids, window_plan
 
 SAMPLE_RATE = 24_000
 DEFAULT_LLM = "canopylabs/orpheus-3b-0.1-ft"
@@ -84,6 +86,7 @@ class OrpheusModel(Model):
                 GraphEdge("llm", "llm", "token"),
                 StreamingGraphEdge("llm", "snac_decoder", "code", policy=SlidingWindow(plan.window, plan.stride, first=plan.first),
                                    topology=PartitionTopology("decode", "snac_chunk")),
+                GraphEdge("llm", EMIT_TO_CONDUCTOR, "finish", at_loop_end=True),  # end-of-speech or max_tokens
             ]),
             Walk("snac_chunk", "snac_decoder", [
                 GraphEdge(INPUT, "snac_decoder", "code"),
@@ -161,6 +164,9 @@ class OrpheusModel(Model):
         return None
 
     def postprocess(self, state: RequestState, emit: Emit) -> list[Output]:
+        if emit.name == "finish":  # the decode loop's end: end-of-speech, else max_tokens (or the loop's cap)
+            state.finish_reason = "stop" if int(emit.tensor) == FINISH_STOP else "length"
+            return []
         samples = emit.tensor
         if samples.numel() == 0:
             return []

@@ -28,6 +28,10 @@ START_OF_AI = 128261  # <custom_token_5>
 END_OF_AI = 128262  # <custom_token_6>
 PAD = 128263  # <custom_token_7> (finetune/config.yaml pad_token)
 
+# Why the decode loop ended, as the LLM node reports it to the conductor at the loop's end (M*'s
+# own values, not token ids): not yet, end-of-speech sampled, max_tokens reached.
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+
 AUDIO_TOKEN_OFFSET = 128266  # <custom_token_10>: code 0 at frame position 0
 CODES_PER_POSITION = 4096  # SNAC codebook size; each frame position has its own id block
 TOKENS_PER_FRAME = 7  # 1 + 2 + 4 codes of SNAC levels 0/1/2

@@ -131,7 +131,7 @@ class Router:
                 frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name, iteration=it)
                 self.links["conductor"].send(frame, [(e.name, value)])
                 continue
-            if kind is EdgeKind.EXIT:
+            if kind is EdgeKind.EXIT or kind is EdgeKind.EMIT_AT_END:
                 acc = inst.exits.setdefault((node, e.name), [])
                 if e.name not in lp.accumulate:
                     acc.clear()
@@ -187,10 +187,15 @@ class Router:
         host = self.placement.host
         for pe in inst.plan.nodes[node].out_edges:
             e = pe.edge
-            if pe.kind is EdgeKind.EXIT:
+            if pe.kind is EdgeKind.EXIT or pe.kind is EdgeKind.EMIT_AT_END:
                 values = inst.exits.pop((node, e.name), [])
                 value = torch.cat(values) if e.name in lp.accumulate else values[-1]
-                self.deliver(req, inst, e.dst, e.name, -1, value, [host(inst.walk, e.dst)])
+                if pe.kind is EdgeKind.EXIT:
+                    self.deliver(req, inst, e.dst, e.name, -1, value, [host(inst.walk, e.dst)])
+                else:  # ahead of this fragment's FRAGMENT_DONE on the same link: postprocess sees it first
+                    frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name,
+                                        iteration=inst.loop_end.get(lp.name, -1))
+                    self.links["conductor"].send(frame, [(e.name, value)])
             elif pe.kind is EdgeKind.STREAM:
                 self.deliver(req, inst, e.dst, e.name, -1, self.held_back(inst, e), [host(e.topology.dst_walk, e.dst)],
                              done=True)

@@ -45,6 +45,7 @@ def test_speech_through_the_mesh(weights, config):
                 # 70 tokens = 10 frames of 7 SNAC codes = 10 * 2048 samples: every frame reaches the client
                 assert len(pcm) == 10 * 2048 * 2
                 assert final.usage.audio_seconds == pytest.approx(10 * 2048 / 24000)
+                assert final.finish_reason == "length"  # max_tokens, not end-of-speech
                 with wave.open(io.BytesIO(to_wav(pcm, 24000))) as w:
                     assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (24000, 1, 10 * 2048)
                 pcms.append(pcm)

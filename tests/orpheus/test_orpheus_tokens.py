@@ -131,3 +131,31 @@ def test_llm_node_outputs_codes_and_stops_only_at_end_of_speech():
     assert codes == [[5]] * 7 + [[]]  # end of speech is no code
     assert stops == [False] * 6 + [True, True]  # the loop ends once end of speech was drawn
     assert state["codes"] == 7
+
+
+def test_llm_node_says_why_the_stream_ends():
+    """``finish`` of a decode call: end-of-speech sampled (also by prefill) vs the engine done at max_tokens."""
+    import threading
+    from collections import deque
+
+    import torch
+
+    from mstar.models.base import NodeCall
+    from mstar.models.orpheus.llm_node import OrpheusLLM
+
+    node = OrpheusLLM.__new__(OrpheusLLM)  # the token buffers only: no engine
+    node.lock, node.buffered, node.finished, node.pending = threading.Lock(), {}, set(), {}
+    code = T.AUDIO_TOKEN_OFFSET + 5
+
+    def decode(rid, given, buffered=(), finished=False):
+        node.buffered[rid] = deque(buffered)
+        if finished:
+            node.finished.add(rid)
+        out = node.try_submit(NodeCall(rid, "decode", 0, {"token": torch.tensor([given])}, {}, {}))
+        return out["token"].item(), out["finish"].item(), node.check_stop(None, out)
+
+    assert decode("a", code, [code]) == (code, T.FINISH_NONE, False)
+    assert decode("b", code, [T.END_OF_SPEECH], finished=True) == (T.END_OF_SPEECH, T.FINISH_STOP, True)
+    assert decode("c", code, [], finished=True) == (T.END_OF_SPEECH, T.FINISH_LENGTH, True)  # max_tokens
+    assert decode("d", T.END_OF_SPEECH, [], finished=True) == (T.END_OF_SPEECH, T.FINISH_STOP, True)  # prefill's
+    assert node.try_submit(NodeCall("e", "decode", 0, {"token": torch.tensor([code])}, {}, {})) is True  # waits
