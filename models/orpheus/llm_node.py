@@ -221,20 +221,22 @@ class OrpheusLLM(EngineNode):
     # -- helpers -------------------------------------------------------------------------
     def _outputs(self, call: NodeCall, token: int, ended: bool = False) -> dict[str, torch.Tensor]:
         """A call's outputs: the next ``token``; for decode also the code of the token it was
-        given and why the stream ends if it does (``finish``, read once at the loop's end).
-        ``ended``: ``token`` is no sample but the end-of-speech that stops the loop once the
-        engine finished the sequence at max_tokens."""
+        given and, read once at the loop's end, ``finish``: [why the stream ends (FINISH_*),
+        tokens the LLM sampled in all]. ``ended``: ``token`` is no sample but the end-of-speech
+        that stops the loop once the engine finished the sequence at max_tokens."""
         out = {"token": scalar(token)}
         if call.walk == "decode":
             given = call.inputs["token"].item()
             out["code"] = self._code(call, given)
+            # iteration i was given the (i+1)-th sampled token (prefill sampled the first)
             if given == END_OF_SPEECH:  # prefill sampled the stop token: the loop ends at once
-                finish = FINISH_STOP
+                out["finish"] = torch.tensor([FINISH_STOP, call.iteration + 1])
             elif ended:
-                finish = FINISH_LENGTH
+                out["finish"] = torch.tensor([FINISH_LENGTH, call.iteration + 1])
+            elif token == END_OF_SPEECH:
+                out["finish"] = torch.tensor([FINISH_STOP, call.iteration + 2])
             else:
-                finish = FINISH_STOP if token == END_OF_SPEECH else FINISH_NONE
-            out["finish"] = scalar(finish)
+                out["finish"] = scalar(FINISH_NONE)  # not the last iteration: never read
         return out
 
     @staticmethod

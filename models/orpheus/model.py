@@ -164,13 +164,15 @@ class OrpheusModel(Model):
         return None
 
     def postprocess(self, state: RequestState, emit: Emit) -> list[Output]:
-        if emit.name == "finish":  # the decode loop's end: end-of-speech, else max_tokens (or the loop's cap)
-            state.finish_reason = "stop" if int(emit.tensor) == FINISH_STOP else "length"
+        if emit.name == "finish":  # the decode loop's end: why (end-of-speech, else max_tokens) and tokens sampled
+            why, *sampled = emit.tensor.tolist()
+            state.finish_reason = "stop" if why == FINISH_STOP else "length"
+            if sampled:  # absent only if the loop hit its own cap (MAX_DECODE_ITERS >= any max_tokens)
+                state.completion_tokens = sampled[0]
             return []
         samples = emit.tensor
         if samples.numel() == 0:
             return []
-        state.completion_tokens += samples.numel() // 2048 * 7  # audio codes decoded (7 per 2048-sample frame)
         pcm = (samples.clamp(-1, 1) * 32767).to(torch.int16).numpy().tobytes()  # truncation, as Orpheus does
         return [Output("audio", Modality.AUDIO, data=pcm, mime_type="audio/pcm", sample_rate_hz=SAMPLE_RATE,
                        audio_seconds=samples.numel() / SAMPLE_RATE)]

@@ -46,6 +46,7 @@ def test_speech_through_the_mesh(weights, config):
                 assert len(pcm) == 10 * 2048 * 2
                 assert final.usage.audio_seconds == pytest.approx(10 * 2048 / 24000)
                 assert final.finish_reason == "length"  # max_tokens, not end-of-speech
+                assert final.usage.completion_tokens == 70
                 with wave.open(io.BytesIO(to_wav(pcm, 24000))) as w:
                     assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (24000, 1, 10 * 2048)
                 pcms.append(pcm)

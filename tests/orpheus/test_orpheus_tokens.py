@@ -147,15 +147,16 @@ def test_llm_node_says_why_the_stream_ends():
     node.lock, node.buffered, node.finished, node.pending = threading.Lock(), {}, set(), {}
     code = T.AUDIO_TOKEN_OFFSET + 5
 
-    def decode(rid, given, buffered=(), finished=False):
+    def decode(rid, given, buffered=(), finished=False, iteration=4):
         node.buffered[rid] = deque(buffered)
         if finished:
             node.finished.add(rid)
-        out = node.try_submit(NodeCall(rid, "decode", 0, {"token": torch.tensor([given])}, {}, {}))
-        return out["token"].item(), out["finish"].item(), node.check_stop(None, out)
+        out = node.try_submit(NodeCall(rid, "decode", iteration, {"token": torch.tensor([given])}, {}, {}))
+        return out["token"].item(), out["finish"].tolist(), node.check_stop(None, out)
 
-    assert decode("a", code, [code]) == (code, T.FINISH_NONE, False)
-    assert decode("b", code, [T.END_OF_SPEECH], finished=True) == (T.END_OF_SPEECH, T.FINISH_STOP, True)
-    assert decode("c", code, [], finished=True) == (T.END_OF_SPEECH, T.FINISH_LENGTH, True)  # max_tokens
-    assert decode("d", T.END_OF_SPEECH, [], finished=True) == (T.END_OF_SPEECH, T.FINISH_STOP, True)  # prefill's
+    # finish = [why, tokens sampled]: iteration 4 was given the 5th token (prefill drew the 1st)
+    assert decode("a", code, [code]) == (code, [T.FINISH_NONE], False)
+    assert decode("b", code, [T.END_OF_SPEECH], finished=True) == (T.END_OF_SPEECH, [T.FINISH_STOP, 6], True)
+    assert decode("c", code, [], finished=True) == (T.END_OF_SPEECH, [T.FINISH_LENGTH, 5], True)  # max_tokens=5
+    assert decode("d", T.END_OF_SPEECH, [], finished=True, iteration=0) == (T.END_OF_SPEECH, [T.FINISH_STOP, 1], True)
     assert node.try_submit(NodeCall("e", "decode", 0, {"token": torch.tensor([code])}, {}, {})) is True  # waits
