@@ -3,8 +3,9 @@
 Walks:
 - ``prefill``: the LLM reads the prompt and samples the first token (kept for ``decode``);
 - ``decode``: a Loop over the LLM, one token per iteration, ending at end-of-speech or
-  ``max_tokens`` (which one reaches the conductor at the loop's end: the request's
-  ``finish_reason`` is ``stop`` or ``length``); every valid audio code streams to the SNAC decoder over a sliding
+  ``max_tokens`` (which one, and the tokens sampled, reach the conductor at the loop's end:
+  ``finish_reason`` ``stop`` / ``length``, ``usage.completion_tokens``); every valid audio
+  code streams to the SNAC decoder over a sliding
   window of 28 codes (4 frames) advancing 7 (1 frame), the first window at 21 codes
   (frame 0 and its two frames of right context; ``first_window_frames: 4`` waits for 28;
   ``snac_stride_frames: n`` decodes n frames a window, see ``tokens.window_plan``);
