@@ -17,6 +17,7 @@ from mstar.models.graph import (
     GraphNode,
     Loop,
     Modality,
+    Parallel,
     Sequential,
     Walk,
 )
@@ -158,5 +159,60 @@ def test_a_walk_input_nobody_provided_fails_the_request_naming_it():
                 await collect(mesh.stub, cpb.GenerateRequest(model="pingpong_skip", text="3"))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "input 'start' for node 'a'" in e.value.details()
+            await wait_released(mesh)
+    run(go())
+
+
+class FanOut(Model):
+    """One loop output fanned out to two nodes after the loop and, by the same name, emitted at
+    the loop's end; node ``a`` raises in check_stop when asked to (a model bug)."""
+
+    name = "fanout"
+    nodes = (GraphNode("a"), GraphNode("c"), GraphNode("d"))
+
+    def build_walks(self):
+        return [Walk("w", Sequential(Loop("a", 3, stop_node="a", accumulate=frozenset({"x"})), Parallel("c", "d")), [
+            GraphEdge(INPUT, "a", "n"), GraphEdge("a", "c", "x"), GraphEdge("a", "d", "x"),
+            GraphEdge("a", EMIT_TO_CLIENT, "x", modality=Modality.LATENT, at_loop_end=True),
+            GraphEdge("c", EMIT_TO_CLIENT, "cs", modality=Modality.LATENT),
+            GraphEdge("d", EMIT_TO_CLIENT, "ds", modality=Modality.LATENT)])]
+
+    def process_prompt(self, prompt):
+        return RequestState(prompt)
+
+    def next_walk(self, state, finished):
+        return WalkSeed("w", {"n": torch.tensor([int(state.prompt.text)])}) if finished is None else None
+
+    def postprocess(self, state, emit):
+        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
+
+    def create_submodule(self, ctx):
+        def stop(call, out):
+            if int(call.inputs["n"]) < 0:
+                raise ValueError("negative n")
+            return False
+
+        return {"a": Fn(lambda c: {"x": torch.tensor([c.iteration + 1])}, stop=stop),
+                "c": Fn(lambda c: {"cs": c.inputs["x"].sum().reshape(1)}),
+                "d": Fn(lambda c: {"ds": (c.inputs["x"] * 10).sum().reshape(1)})}[ctx.node]
+
+
+register("fanout", f"{__name__}:FanOut")
+
+
+def test_a_loop_output_fans_out_and_a_model_bug_fails_only_its_request():
+    cfg = parse_config({"model": "fanout", "node_groups": [{"name": "g", "node_names": ["a", "c", "d"]}]})
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="fanout", text="1"))
+            vals = {k: [wire.from_proto(c.tensor).tolist() for c in v] for k, v in out.items()}
+            assert vals == {"x": [[1, 2, 3]], "cs": [[6]], "ds": [[60]]}  # each consumer gets the exit once
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(mesh.stub, cpb.GenerateRequest(model="fanout", text="-1"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert "node group 'g'" in e.value.details() and "ValueError: negative n" in e.value.details()
+            out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="fanout", text="2"))  # the group still serves
+            assert [wire.from_proto(c.tensor).tolist() for c in out["cs"]] == [[6]]
             await wait_released(mesh)
     run(go())

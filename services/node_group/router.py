@@ -120,6 +120,7 @@ class Router:
             else:
                 inst.decided[lp.name] = it + 1
         host = self.placement.host
+        kept: set[str] = set()  # names kept for the loop's end this firing (several edges may share one)
         for pe in plan.nodes[node].out_edges:
             e = pe.edge
             value = outputs.get(e.name)
@@ -132,10 +133,12 @@ class Router:
                 self.links["conductor"].send(frame, [(e.name, value)])
                 continue
             if kind is EdgeKind.EXIT or kind is EdgeKind.EMIT_AT_END:
-                acc = inst.exits.setdefault((node, e.name), [])
-                if e.name not in lp.accumulate:
-                    acc.clear()
-                acc.append(value)
+                if e.name not in kept:
+                    kept.add(e.name)
+                    acc = inst.exits.setdefault((node, e.name), [])
+                    if e.name not in lp.accumulate:
+                        acc.clear()
+                    acc.append(value)
                 continue
             if kind is EdgeKind.STREAM:
                 self.stream(req, inst, e, it, value)
@@ -185,11 +188,14 @@ class Router:
             return
         inst.flushed.add(node)
         host = self.placement.host
+        ends: dict[str, torch.Tensor] = {}  # name -> its value at the loop's end, for every edge of that name
         for pe in inst.plan.nodes[node].out_edges:
             e = pe.edge
             if pe.kind is EdgeKind.EXIT or pe.kind is EdgeKind.EMIT_AT_END:
-                values = inst.exits.pop((node, e.name), [])
-                value = torch.cat(values) if e.name in lp.accumulate else values[-1]
+                value = ends.get(e.name)
+                if value is None:
+                    values = inst.exits.pop((node, e.name))
+                    value = ends[e.name] = torch.cat(values) if e.name in lp.accumulate else values[-1]
                 if pe.kind is EdgeKind.EXIT:
                     self.deliver(req, inst, e.dst, e.name, -1, value, [host(inst.walk, e.dst)])
                 else:  # ahead of this fragment's FRAGMENT_DONE on the same link: postprocess sees it first

@@ -232,6 +232,18 @@ class NodeGroupRuntime:
         (one message per link), not one message per node. Stateless nodes: one batch at a
         time. Engine nodes: ready calls go to the engine's inbox; each engine steps on its
         own worker thread, back to back, while this loop routes the previous step's outputs."""
+        while True:
+            try:
+                await self._rounds()
+            except Exception as e:  # last resort: the loop must outlive a bug, or every request here hangs
+                log.exception("node group '%s': the runtime loop failed; failing its %d requests",
+                              self.group, len(self.requests))
+                for rid in list(self.requests):
+                    self.fail(rid, grpc.StatusCode.INTERNAL,
+                              f"node group '{self.group}': runtime loop failed: {type(e).__name__}: {e}")
+                await asyncio.sleep(0.1)  # a fault that repeats without requests does not spin
+
+    async def _rounds(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             picked, finished, taken = False, False, set()
@@ -388,10 +400,15 @@ class NodeGroupRuntime:
                 continue
             try:
                 self.router.after_fire(req, inst, node, call, out, sub)
+                self._advance(req, inst)
             except RequestFailed as e:
                 self.fail(req.request_id, e.code, e.message)
-                continue
-            self._advance(req, inst)
+            except Exception as e:  # a bug in routing or in the model's check_stop: this request only
+                log.exception("node group '%s': routing the outputs of node '%s' failed for request %s",
+                              self.group, node, req.request_id)
+                self.fail(req.request_id, grpc.StatusCode.INTERNAL,
+                          f"node group '{self.group}': routing the outputs of node '{node}' failed: "
+                          f"{type(e).__name__}: {e}")
 
     # -- endings -------------------------------------------------------------------------
     def fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
