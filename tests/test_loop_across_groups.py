@@ -216,3 +216,21 @@ def test_a_loop_output_fans_out_and_a_model_bug_fails_only_its_request():
             assert [wire.from_proto(c.tensor).tolist() for c in out["cs"]] == [[6]]
             await wait_released(mesh)
     run(go())
+
+
+def test_a_frame_the_group_cannot_handle_fails_its_request_not_the_stream():
+    from mstar.v1 import node_group_pb2 as pb
+
+    cfg = parse_config({"model": "fanout", "node_groups": [{"name": "g", "node_names": ["a", "c", "d"]}]})
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            runtime = mesh.runtime("g")
+            # LOOP_END for a node outside any loop: no peer sends it; the handler asserts on it
+            bad = pb.Frame(kind=pb.FRAME_KIND_LOOP_END, request_id="bad", walk="w", walk_seq=1, node="c", iteration=0)
+            runtime.on_batch(pb.FrameBatch(sender="test", frames=[bad]), [[]])  # no exception escapes
+            assert "bad" not in runtime.requests and "bad" in runtime.released
+            out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="fanout", text="1"))
+            assert [wire.from_proto(c.tensor).tolist() for c in out["ds"]] == [[60]]
+            await wait_released(mesh)
+    run(go())

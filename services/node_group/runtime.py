@@ -120,6 +120,10 @@ class NodeGroupRuntime:
                 self._on_frame(frame, {t.name: v for t, v in zip(frame.tensors, tensors, strict=True)})
             except RequestFailed as e:
                 self.fail(rid, e.code, e.message)
+            except Exception as e:  # a bug here must end this request, not the peer's stream (and its other requests)
+                log.exception("node group '%s': a frame from '%s' for request %s failed", self.group, batch.sender, rid)
+                self.fail(rid, grpc.StatusCode.INTERNAL, f"node group '{self.group}': handling a frame from "
+                          f"'{batch.sender}' failed: {type(e).__name__}: {e}")
 
     def _on_frame(self, f: pb.Frame, tensors: dict[str, torch.Tensor]) -> None:
         if f.kind == K.FRAME_KIND_RELEASE:
