@@ -1,0 +1,72 @@
+"""A bug in a model's conductor-side code (validate / process_prompt, the state machine at a
+request's start or later, postprocess) fails that request with INTERNAL naming the model and
+the error, wherever it happens; the conductor goes on serving."""
+
+import grpc
+import pytest
+import torch
+from test_loop_across_groups import Fn
+
+from mstar.config import parse_config
+from mstar.models.base import Model, Output, RequestState, WalkSeed
+from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Modality, Walk
+from mstar.models.registry import register
+from mstar.testing import inprocess_mesh
+from mstar.v1 import conductor_pb2 as cpb
+
+from helpers import collect, run, wait_released
+
+
+class Buggy(Model):
+    """Fails where the prompt says."""
+
+    name = "buggy"
+    nodes = (GraphNode("a"),)
+
+    def build_walks(self):
+        return [Walk("w", "a", [GraphEdge(INPUT, "a", "n"), GraphEdge("a", EMIT_TO_CLIENT, "y", modality=Modality.LATENT)])]
+
+    def process_prompt(self, prompt):
+        if prompt.text == "prompt":
+            raise KeyError("boom in process_prompt")
+        return RequestState(prompt)
+
+    def next_walk(self, state, finished):
+        text = state.prompt.text
+        if text == "first":
+            raise RuntimeError("boom in next_walk")
+        if text == "unknown walk":
+            return WalkSeed("nope")
+        if text == "later" and finished == "w":
+            raise RuntimeError("boom later")
+        return WalkSeed("w", {"n": torch.tensor([1])}) if finished is None else None
+
+    def postprocess(self, state, emit):
+        if state.prompt.text == "post":
+            raise ValueError("boom in postprocess")
+        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
+
+    def create_submodule(self, ctx):
+        return Fn(lambda c: {"y": c.inputs["n"]})
+
+
+register("buggy", f"{__name__}:Buggy")
+
+
+def test_conductor_side_model_bugs_fail_their_request_with_internal():
+    cfg = parse_config({"model": "buggy", "node_groups": [{"name": "g", "node_names": ["a"]}]})
+    cases = {"prompt": "KeyError: 'boom in process_prompt'", "first": "RuntimeError: boom in next_walk",
+             "unknown walk": "RuntimeError: the state machine chose unknown walk 'nope'",
+             "later": "RuntimeError: boom later", "post": "ValueError: boom in postprocess"}
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            for text, error in cases.items():
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(mesh.stub, cpb.GenerateRequest(model="buggy", text=text), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INTERNAL, text
+                assert e.value.details() == f"model 'buggy' failed in the conductor: {error}"
+            out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="buggy", text="fine"), timeout=10)
+            assert list(out) == ["y"]
+            await wait_released(mesh)
+    run(go())
