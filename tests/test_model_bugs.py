@@ -1,6 +1,6 @@
-"""A bug in a model's conductor-side code (validate / process_prompt, the state machine at a
-request's start or later, postprocess) fails that request with INTERNAL naming the model and
-the error, wherever it happens; the conductor goes on serving."""
+"""A bug in a model's code fails that request with INTERNAL saying what went wrong, wherever it
+happens, and the services go on serving: conductor side (validate / process_prompt, the state
+machine at a request's start or later, postprocess) and node side (outputs of the wrong type)."""
 
 import grpc
 import pytest
@@ -9,7 +9,7 @@ from test_loop_across_groups import Fn
 
 from mstar.config import parse_config
 from mstar.models.base import Model, Output, RequestState, WalkSeed
-from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Modality, Walk
+from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Modality, Sequential, Walk
 from mstar.models.registry import register
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
@@ -67,6 +67,57 @@ def test_conductor_side_model_bugs_fail_their_request_with_internal():
                 assert e.value.code() == grpc.StatusCode.INTERNAL, text
                 assert e.value.details() == f"model 'buggy' failed in the conductor: {error}"
             out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="buggy", text="fine"), timeout=10)
+            assert list(out) == ["y"]
+            await wait_released(mesh)
+    run(go())
+
+
+def a_outputs(call):
+    return {"int": {"x": 5}, "list": [torch.tensor([1])]}.get(call.kwargs.get("mode"), {"x": torch.tensor([1])})
+
+
+class WrongOutputs(Model):
+    name = "wrong_outputs"
+    nodes = (GraphNode("a"), GraphNode("b"))
+
+    def build_walks(self):
+        return [Walk("w", Sequential("a", "b"), [GraphEdge(INPUT, "a", "n"), GraphEdge("a", "b", "x"),
+                                                 GraphEdge("b", EMIT_TO_CLIENT, "y", modality=Modality.LATENT)])]
+
+    def validate_kwargs(self, kwargs):
+        return kwargs
+
+    def process_prompt(self, prompt):
+        return RequestState(prompt)
+
+    def next_walk(self, state, finished):
+        return WalkSeed("w", {"n": torch.tensor([1])}) if finished is None else None
+
+    def postprocess(self, state, emit):
+        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
+
+    def create_submodule(self, ctx):
+        return Fn(a_outputs) if ctx.node == "a" else Fn(lambda c: {"y": c.inputs["x"]})
+
+
+register("wrong_outputs", f"{__name__}:WrongOutputs")
+
+
+@pytest.mark.parametrize("groups", [[["a", "b"]], [["a"], ["b"]]])
+def test_node_outputs_of_the_wrong_type_fail_their_request_with_internal(groups):
+    cfg = parse_config({"model": "wrong_outputs", "node_groups": [
+        {"name": f"g{i}", "node_names": names} for i, names in enumerate(groups)]})
+    cases = {"int": "node group 'g0': node 'a' returned output 'x' as int; outputs must be torch.Tensor",
+             "list": "node group 'g0': node 'a' returned list for a call; a call's outputs are a dict of name -> torch.Tensor"}
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            for mode, message in cases.items():
+                req = cpb.GenerateRequest(model="wrong_outputs", text="x", model_kwargs_json=f'{{"mode": "{mode}"}}')
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(mesh.stub, req, timeout=10)
+                assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, message)
+            out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="wrong_outputs", text="x"), timeout=10)
             assert list(out) == ["y"]
             await wait_released(mesh)
     run(go())

@@ -109,6 +109,9 @@ class Router:
 
     def after_fire(self, req, inst: WalkInstance, node: str, call: NodeCall, outputs: dict, sub: NodeSubmodule) -> None:
         plan, it = inst.plan, call.iteration
+        if not isinstance(outputs, dict):
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': node '{node}' returned "
+                                f"{type(outputs).__name__} for a call; a call's outputs are a dict of name -> torch.Tensor")
         inst.fired[node] = inst.fired.get(node, 0) + 1
         inst.consume(node, it)
         lp = plan.nodes[node].loop
@@ -127,6 +130,9 @@ class Router:
             if value is None:
                 raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': node '{node}' returned no "
                                     f"output '{e.name}' (edge to '{e.dst}'); it returned {sorted(outputs)}")
+            if not isinstance(value, torch.Tensor):
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': node '{node}' returned "
+                                    f"output '{e.name}' as {type(value).__name__}; outputs must be torch.Tensor")
             kind = pe.kind
             if kind is EdgeKind.EMIT:
                 frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name, iteration=it)
