@@ -1,15 +1,29 @@
 """A bug in a model's code fails that request with INTERNAL saying what went wrong, wherever it
 happens, and the services go on serving: conductor side (validate / process_prompt, the state
-machine at a request's start or later, postprocess) and node side (outputs of the wrong type)."""
+machine at a request's start or later, postprocess) and node side (outputs of the wrong type, a
+chunk walk failing on its first, a middle or its last chunk)."""
 
 import grpc
 import pytest
 import torch
 from test_loop_across_groups import Fn
 
+from mstar import wire
 from mstar.config import parse_config
 from mstar.models.base import Model, Output, RequestState, WalkSeed
-from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Modality, Sequential, Walk
+from mstar.models.graph import (
+    EMIT_TO_CLIENT,
+    INPUT,
+    FixedChunks,
+    GraphEdge,
+    GraphNode,
+    Loop,
+    Modality,
+    PartitionTopology,
+    Sequential,
+    StreamingGraphEdge,
+    Walk,
+)
 from mstar.models.registry import register
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
@@ -119,5 +133,64 @@ def test_node_outputs_of_the_wrong_type_fail_their_request_with_internal(groups)
                 assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, message)
             out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="wrong_outputs", text="x"), timeout=10)
             assert list(out) == ["y"]
+            await wait_released(mesh)
+    run(go())
+
+
+def chunk_sum(call):
+    items = call.inputs["item"]
+    if int(items[0]) // 2 == call.kwargs.get("fail_chunk"):
+        raise RuntimeError(f"chunk {int(items[0]) // 2} broke")
+    return {"out": items.sum().reshape(1)}
+
+
+class Streamy(Model):
+    """A 10-iteration loop streaming its items in chunks of 2 to a chunk walk; the chunk
+    node fails on the chunk the request names."""
+
+    name = "streamy"
+    nodes = (GraphNode("p"), GraphNode("q"))
+
+    def build_walks(self):
+        return [Walk("gen", Loop("p", 10), [
+                    GraphEdge(INPUT, "p", "i"), GraphEdge("p", "p", "i"),
+                    StreamingGraphEdge("p", "q", "item", policy=FixedChunks(2), topology=PartitionTopology("gen", "chunk"))]),
+                Walk("chunk", "q", [GraphEdge(INPUT, "q", "item"), GraphEdge("q", EMIT_TO_CLIENT, "out", modality=Modality.LATENT)])]
+
+    def validate_kwargs(self, kwargs):
+        return kwargs
+
+    def process_prompt(self, prompt):
+        return RequestState(prompt)
+
+    def next_walk(self, state, finished):
+        return WalkSeed("gen", {"i": torch.tensor([0])}) if finished is None else None
+
+    def postprocess(self, state, emit):
+        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
+
+    def create_submodule(self, ctx):
+        return Fn(lambda c: {"i": c.inputs["i"] + 1, "item": c.inputs["i"]}) if ctx.node == "p" else Fn(chunk_sum)
+
+
+register("streamy", f"{__name__}:Streamy")
+
+
+@pytest.mark.parametrize("groups", [[["p", "q"]], [["p"], ["q"]]])
+def test_a_failing_chunk_walk_fails_its_request_and_releases_the_rest(groups):
+    cfg = parse_config({"model": "streamy", "node_groups": [
+        {"name": f"g{i}", "node_names": names} for i, names in enumerate(groups)]})
+    where = f"g{len(groups) - 1}"
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="streamy", text="x"), timeout=10)
+            assert [wire.from_proto(c.tensor).tolist() for c in out["out"]] == [[1], [5], [9], [13], [17]]
+            for k in (0, 2, 4):  # first, middle, last chunk
+                req = cpb.GenerateRequest(model="streamy", text="x", model_kwargs_json=f'{{"fail_chunk": {k}}}')
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(mesh.stub, req, timeout=10)
+                assert e.value.code() == grpc.StatusCode.INTERNAL
+                assert e.value.details() == f"node group '{where}': node 'q' failed: RuntimeError: chunk {k} broke"
             await wait_released(mesh)
     run(go())
