@@ -119,8 +119,7 @@ class RequestTable:
             try:
                 self._on_frame(ar, f, batch.sender, tensors)
             except Exception as e:  # a model bug must end the request, not the conductor
-                log.exception("request %s: conductor-side model code failed", ar.request_id)
-                self.fail(ar, grpc.StatusCode.INTERNAL, f"model '{self.model.name}' failed in the conductor: {type(e).__name__}: {e}")
+                self.model_failed(ar, e)
 
     def _on_frame(self, ar: ActiveRequest, f: pb.Frame, sender: str, tensors: list[torch.Tensor]) -> None:
         if f.kind == K.FRAME_KIND_EMIT:
@@ -147,6 +146,14 @@ class RequestTable:
             self.fail(ar, grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == f.error.code)), f.error.message)
 
     # -- endings -------------------------------------------------------------------------
+    def model_bug(self, e: BaseException) -> str:
+        """The INTERNAL message of a request the model's conductor-side code failed."""
+        return f"model '{self.model.name}' failed in the conductor: {type(e).__name__}: {e}"
+
+    def model_failed(self, ar: ActiveRequest, e: BaseException) -> None:
+        log.error("request %s: conductor-side model code failed", ar.request_id, exc_info=e)
+        self.fail(ar, grpc.StatusCode.INTERNAL, self.model_bug(e))
+
     def fail(self, ar: ActiveRequest, code: grpc.StatusCode, message: str) -> None:
         self.end(ar, Failure(code, message))
 

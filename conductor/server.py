@@ -52,8 +52,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         except Exception as e:  # a bug in the model's validate_kwargs / process_prompt
             log.exception("model '%s' failed reading a request", self.model.name)
             self.metrics.rejected("INTERNAL")
-            await context.abort(grpc.StatusCode.INTERNAL, f"model '{self.model.name}' failed in the conductor: "
-                                f"{type(e).__name__}: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, self.table.model_bug(e))
         if len(self.table.active) >= self.max_inflight:
             self.metrics.rejected("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -87,9 +86,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             try:
                 self.table.start_walk(ar, self.model.next_walk(state, None))
             except Exception as e:  # a bug in the state machine: fails this request like any later one
-                log.exception("request %s: conductor-side model code failed", ar.request_id)
-                self.table.fail(ar, grpc.StatusCode.INTERNAL, f"model '{self.model.name}' failed in the conductor: "
-                                f"{type(e).__name__}: {e}")
+                self.table.model_failed(ar, e)
             while True:
                 event = await ar.events.get()
                 # everything that queued up while the last message was in flight goes in this one

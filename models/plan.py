@@ -73,6 +73,12 @@ class NodePlan:
     def carried_slots(self) -> set[str]:
         return {p.edge.name for p in self.in_edges if p.kind is EdgeKind.CARRIED}
 
+    @cached_property
+    def loop_end_outputs(self) -> tuple[str, ...]:
+        """Outputs kept for the loop's end (exits, emits at the loop's end), each name once
+        however many edges read it."""
+        return tuple(dict.fromkeys(p.edge.name for p in self.out_edges if p.kind in (EdgeKind.EXIT, EdgeKind.EMIT_AT_END)))
+
 
 @dataclass
 class WalkPlan:

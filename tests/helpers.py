@@ -8,6 +8,8 @@ import subprocess
 import grpc
 import pytest
 
+from mstar.models.base import Model, NodeSubmodule, Output, RequestState
+from mstar.models.graph import Modality
 from mstar.v1 import conductor_pb2 as cpb
 
 
@@ -77,3 +79,30 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+class Fn(NodeSubmodule):
+    """A node that runs ``fn(call) -> outputs`` per call; ``stop(call, outputs)`` ends its loop."""
+
+    def __init__(self, fn, stop=None):
+        self.fn, self.stop = fn, stop
+
+    def forward(self, calls):
+        return [self.fn(c) for c in calls]
+
+    def check_stop(self, call, outputs):
+        return self.stop(call, outputs) if self.stop else False
+
+
+class TensorModel(Model):
+    """What test models share: any model_kwargs, the prompt as the request state, every emit
+    a LATENT client output named like its edge."""
+
+    def validate_kwargs(self, kwargs):
+        return kwargs
+
+    def process_prompt(self, prompt):
+        return RequestState(prompt)
+
+    def postprocess(self, state, emit):
+        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]

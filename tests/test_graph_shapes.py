@@ -4,11 +4,10 @@ node (it runs max_iters) carrying a walk input."""
 
 import pytest
 import torch
-from test_loop_across_groups import Fn
 
 from mstar import wire
 from mstar.config import parse_config
-from mstar.models.base import Model, Output, RequestState, WalkSeed
+from mstar.models.base import WalkSeed
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
     INPUT,
@@ -24,10 +23,10 @@ from mstar.models.registry import register
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
-from helpers import collect, run, wait_released
+from helpers import Fn, TensorModel, collect, run, wait_released
 
 
-class Shapes(Model):
+class Shapes(TensorModel):
     name = "shapes"
     nodes = tuple(GraphNode(n) for n in "abcde")
 
@@ -43,14 +42,8 @@ class Shapes(Model):
                 GraphEdge("d", "e", "dd"), GraphEdge("e", EMIT_TO_CLIENT, "es", modality=Modality.LATENT)]),
         ]
 
-    def process_prompt(self, p):
-        return RequestState(p)
-
     def next_walk(self, s, f):
         return {None: WalkSeed("one", {"n": torch.tensor([int(s.prompt.text)])}), "one": WalkSeed("two")}.get(f)
-
-    def postprocess(self, s, e):
-        return [Output(e.name, Modality.LATENT, tensor=e.tensor)]
 
     def create_submodule(self, ctx):
         return {"a": Fn(lambda c: {"x": c.inputs["n"] * 2, "keep": c.inputs["n"] + 100}),

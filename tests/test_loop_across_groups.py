@@ -8,7 +8,7 @@ import torch
 
 from mstar import wire
 from mstar.config import parse_config
-from mstar.models.base import Model, NodeSubmodule, Output, RequestState, WalkSeed
+from mstar.models.base import Model, Output, RequestState, WalkSeed
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
     EMIT_TO_CONDUCTOR,
@@ -26,18 +26,7 @@ from mstar.services.transport import Protocol
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
-from helpers import collect, run, wait_released
-
-
-class Fn(NodeSubmodule):
-    def __init__(self, fn, stop=None):
-        self.fn, self.stop = fn, stop
-
-    def forward(self, calls):
-        return [self.fn(c) for c in calls]
-
-    def check_stop(self, call, outputs):
-        return self.stop(call, outputs) if self.stop else False
+from helpers import Fn, TensorModel, collect, run, wait_released
 
 
 def a_fn(c):
@@ -163,7 +152,7 @@ def test_a_walk_input_nobody_provided_fails_the_request_naming_it():
     run(go())
 
 
-class FanOut(Model):
+class FanOut(TensorModel):
     """One loop output fanned out to two nodes after the loop and, by the same name, emitted at
     the loop's end; node ``a`` raises in check_stop when asked to (a model bug)."""
 
@@ -177,14 +166,8 @@ class FanOut(Model):
             GraphEdge("c", EMIT_TO_CLIENT, "cs", modality=Modality.LATENT),
             GraphEdge("d", EMIT_TO_CLIENT, "ds", modality=Modality.LATENT)])]
 
-    def process_prompt(self, prompt):
-        return RequestState(prompt)
-
     def next_walk(self, state, finished):
         return WalkSeed("w", {"n": torch.tensor([int(state.prompt.text)])}) if finished is None else None
-
-    def postprocess(self, state, emit):
-        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
 
     def create_submodule(self, ctx):
         def stop(call, out):

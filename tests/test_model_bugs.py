@@ -6,11 +6,10 @@ chunk walk failing on its first, a middle or its last chunk)."""
 import grpc
 import pytest
 import torch
-from test_loop_across_groups import Fn
 
 from mstar import wire
 from mstar.config import parse_config
-from mstar.models.base import Model, Output, RequestState, WalkSeed
+from mstar.models.base import WalkSeed
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
     INPUT,
@@ -28,10 +27,10 @@ from mstar.models.registry import register
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
-from helpers import collect, run, wait_released
+from helpers import Fn, TensorModel, collect, run, wait_released
 
 
-class Buggy(Model):
+class Buggy(TensorModel):
     """Fails where the prompt says."""
 
     name = "buggy"
@@ -43,7 +42,7 @@ class Buggy(Model):
     def process_prompt(self, prompt):
         if prompt.text == "prompt":
             raise KeyError("boom in process_prompt")
-        return RequestState(prompt)
+        return super().process_prompt(prompt)
 
     def next_walk(self, state, finished):
         text = state.prompt.text
@@ -58,7 +57,7 @@ class Buggy(Model):
     def postprocess(self, state, emit):
         if state.prompt.text == "post":
             raise ValueError("boom in postprocess")
-        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
+        return super().postprocess(state, emit)
 
     def create_submodule(self, ctx):
         return Fn(lambda c: {"y": c.inputs["n"]})
@@ -90,7 +89,7 @@ def a_outputs(call):
     return {"int": {"x": 5}, "list": [torch.tensor([1])]}.get(call.kwargs.get("mode"), {"x": torch.tensor([1])})
 
 
-class WrongOutputs(Model):
+class WrongOutputs(TensorModel):
     name = "wrong_outputs"
     nodes = (GraphNode("a"), GraphNode("b"))
 
@@ -98,17 +97,8 @@ class WrongOutputs(Model):
         return [Walk("w", Sequential("a", "b"), [GraphEdge(INPUT, "a", "n"), GraphEdge("a", "b", "x"),
                                                  GraphEdge("b", EMIT_TO_CLIENT, "y", modality=Modality.LATENT)])]
 
-    def validate_kwargs(self, kwargs):
-        return kwargs
-
-    def process_prompt(self, prompt):
-        return RequestState(prompt)
-
     def next_walk(self, state, finished):
         return WalkSeed("w", {"n": torch.tensor([1])}) if finished is None else None
-
-    def postprocess(self, state, emit):
-        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
 
     def create_submodule(self, ctx):
         return Fn(a_outputs) if ctx.node == "a" else Fn(lambda c: {"y": c.inputs["x"]})
@@ -144,7 +134,7 @@ def chunk_sum(call):
     return {"out": items.sum().reshape(1)}
 
 
-class Streamy(Model):
+class Streamy(TensorModel):
     """A 10-iteration loop streaming its items in chunks of 2 to a chunk walk; the chunk
     node fails on the chunk the request names."""
 
@@ -157,17 +147,8 @@ class Streamy(Model):
                     StreamingGraphEdge("p", "q", "item", policy=FixedChunks(2), topology=PartitionTopology("gen", "chunk"))]),
                 Walk("chunk", "q", [GraphEdge(INPUT, "q", "item"), GraphEdge("q", EMIT_TO_CLIENT, "out", modality=Modality.LATENT)])]
 
-    def validate_kwargs(self, kwargs):
-        return kwargs
-
-    def process_prompt(self, prompt):
-        return RequestState(prompt)
-
     def next_walk(self, state, finished):
         return WalkSeed("gen", {"i": torch.tensor([0])}) if finished is None else None
-
-    def postprocess(self, state, emit):
-        return [Output(emit.name, Modality.LATENT, tensor=emit.tensor)]
 
     def create_submodule(self, ctx):
         return Fn(lambda c: {"i": c.inputs["i"] + 1, "item": c.inputs["i"]}) if ctx.node == "p" else Fn(chunk_sum)
@@ -194,3 +175,4 @@ def test_a_failing_chunk_walk_fails_its_request_and_releases_the_rest(groups):
                 assert e.value.details() == f"node group '{where}': node 'q' failed: RuntimeError: chunk {k} broke"
             await wait_released(mesh)
     run(go())
+

@@ -30,16 +30,38 @@ import triton.language as tl
 from gpu_timing import add_grid_args, config_grid, record_row, sweep
 from skinny_gemm_bench import LAYERS, SHAPES, graph_us, skinny_linear
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: pdl_chain_bench.py records why
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
-def _packed_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _prefetch_l2(ptr, LINES: tl.constexpr):
+    at = ptr.to(tl.pointer_type(tl.int8)) + tl.arange(0, LINES).to(tl.int64) * 128
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [at],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def packed_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
+    """PDL (pdl_chain_bench.py): launched as a programmatic dependent launch, ask L2 for the first
+    PREFETCH weight tiles, then wait for the input; let the next kernel start at this one's start
+    (TRIGGER 1) or after its K loop (TRIGGER 2)."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BLOCK_K)
     tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + rk[None, :]
     k_tiles = K // BLOCK_K
     base = w_ptr + pid.to(tl.int64) * k_tiles * (BLOCK_N * BLOCK_K)
+    if PDL:
+        if TRIGGER == 1:
+            gdc_launch_dependents()
+        if PREFETCH > 0:
+            _prefetch_l2(base, PREFETCH * BLOCK_N * BLOCK_K * 2 // 128)
+        gdc_wait()  # the input (the previous kernel's output) is complete from here
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for i in range(0, k_tiles):
         x = tl.load(x_ptr + rm[:, None] * stride_xm + (i * BLOCK_K + rk)[None, :], mask=rm[:, None] < M, other=0.0)
@@ -48,6 +70,9 @@ def _packed_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+    if PDL:
+        if TRIGGER == 2:
+            gdc_launch_dependents()
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
 
@@ -67,7 +92,7 @@ def packed_linear(x: torch.Tensor, wp: torch.Tensor, num_warps: int = 4, num_sta
     if kb * block_k != k or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} does not match the packed weight {tuple(wp.shape)}")
     y = torch.empty((m, nb * block_n), device=x.device, dtype=x.dtype)
-    _packed_kernel[(nb,)](x, wp, y, m, nb * block_n, k, x.stride(0), y.stride(0),
+    packed_kernel[(nb,)](x, wp, y, m, nb * block_n, k, x.stride(0), y.stride(0),
                           BM=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
                           num_warps=num_warps, num_stages=num_stages)
     return y

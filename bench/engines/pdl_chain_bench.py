@@ -27,54 +27,13 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 from gpu_timing import graph_replay_ms
-from packed_gemm_bench import pack
+from packed_gemm_bench import gdc_wait, pack, packed_kernel
 from skinny_gemm_bench import LAYERS, SHAPES
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - a Triton without grid dependency control
-    gdc_launch_dependents = gdc_wait = None
 
 #: (BLOCK_N, BLOCK_K, stages) per projection: the packed kernel's best at 16 rows (packed_gemm.json)
 CONFIGS = {"qkv": (64, 256, 4), "o_proj": (32, 256, 4), "gate_up": (64, 128, 3), "down": (32, 256, 4)}
 ORDER = ("qkv", "o_proj", "gate_up", "down")
-
-
-@triton.jit
-def _prefetch_l2(ptr, LINES: tl.constexpr):
-    at = ptr.to(tl.pointer_type(tl.int8)) + tl.arange(0, LINES).to(tl.int64) * 128
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [at],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _chain_kernel(x_ptr, w_ptr, y_ptr, M, K, stride_xm, stride_ym,
-                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr, TRIGGER: tl.constexpr, PREFETCH: tl.constexpr):
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BM)
-    rk = tl.arange(0, BLOCK_K)
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + rk[None, :]
-    k_tiles = K // BLOCK_K
-    base = w_ptr + pid.to(tl.int64) * k_tiles * (BLOCK_N * BLOCK_K)
-    if PDL:
-        if TRIGGER == 1:
-            gdc_launch_dependents()
-        if PREFETCH > 0:
-            _prefetch_l2(base, PREFETCH * BLOCK_N * BLOCK_K * 2 // 128)
-        gdc_wait()  # the input (the previous kernel's output) is complete from here
-    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    for i in range(0, k_tiles):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (i * BLOCK_K + rk)[None, :], mask=rm[:, None] < M, other=0.0)
-        w = tl.load(base + i * (BLOCK_N * BLOCK_K) + tile)
-        acc += tl.dot(x, tl.trans(w))
-    if PDL:
-        if TRIGGER == 2:
-            gdc_launch_dependents()
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
 
 
 def chain_triton(x0, layers, outs, pdl: bool, trigger: int, prefetch: int) -> torch.Tensor:
@@ -83,7 +42,7 @@ def chain_triton(x0, layers, outs, pdl: bool, trigger: int, prefetch: int) -> to
         for name, wp, y in zip(ORDER, wps, outs, strict=True):
             nb, kb, bn, bk = wp.shape
             _, _, stages = CONFIGS[name]
-            _chain_kernel[(nb,)](x, wp, y, x.shape[0], kb * bk, x.stride(0), y.stride(0),
+            packed_kernel[(nb,)](x, wp, y, x.shape[0], nb * bn, kb * bk, x.stride(0), y.stride(0),
                                  BM=max(16, triton.next_power_of_2(x.shape[0])), BLOCK_N=bn, BLOCK_K=bk,
                                  PDL=pdl, TRIGGER=trigger, PREFETCH=prefetch, num_warps=4, num_stages=stages,
                                  launch_pdl=pdl)

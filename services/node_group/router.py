@@ -114,7 +114,8 @@ class Router:
                                 f"{type(outputs).__name__} for a call; a call's outputs are a dict of name -> torch.Tensor")
         inst.fired[node] = inst.fired.get(node, 0) + 1
         inst.consume(node, it)
-        lp = plan.nodes[node].loop
+        node_plan = plan.nodes[node]
+        lp = node_plan.loop
         if lp is not None and lp.stop_node == node and lp.name in inst.owner_loops:
             if sub.check_stop(call, outputs) or it + 1 >= lp.max_iters:
                 inst.end_loop(lp.name, it)
@@ -123,8 +124,7 @@ class Router:
             else:
                 inst.decided[lp.name] = it + 1
         host = self.placement.host
-        kept: set[str] = set()  # names kept for the loop's end this firing (several edges may share one)
-        for pe in plan.nodes[node].out_edges:
+        for pe in node_plan.out_edges:
             e = pe.edge
             value = outputs.get(e.name)
             if value is None:
@@ -139,13 +139,7 @@ class Router:
                 self.links["conductor"].send(frame, [(e.name, value)])
                 continue
             if kind is EdgeKind.EXIT or kind is EdgeKind.EMIT_AT_END:
-                if e.name not in kept:
-                    kept.add(e.name)
-                    acc = inst.exits.setdefault((node, e.name), [])
-                    if e.name not in lp.accumulate:
-                        acc.clear()
-                    acc.append(value)
-                continue
+                continue  # kept below, once per name
             if kind is EdgeKind.STREAM:
                 self.stream(req, inst, e, it, value)
                 continue
@@ -160,6 +154,11 @@ class Router:
             if e.persist:
                 targets += [g for g in self.persist_targets[(e.dst, e.name)] if g not in targets]
             self.deliver(req, inst, e.dst, e.name, iteration, value, targets)
+        for name in node_plan.loop_end_outputs:
+            acc = inst.exits.setdefault((node, name), [])
+            if name not in lp.accumulate:
+                acc.clear()
+            acc.append(outputs[name])
         if lp is not None:
             self.flush_loop_outputs(req, inst, node)
 
@@ -189,19 +188,20 @@ class Router:
 
     def flush_loop_outputs(self, req, inst: WalkInstance, node: str) -> None:
         """Once a loop node ran its last iteration: send its exit values and end its streams."""
-        lp = inst.plan.nodes[node].loop
+        node_plan = inst.plan.nodes[node]
+        lp = node_plan.loop
         if lp is None or node in inst.flushed or not inst.node_finished(node):
             return
         inst.flushed.add(node)
         host = self.placement.host
-        ends: dict[str, torch.Tensor] = {}  # name -> its value at the loop's end, for every edge of that name
-        for pe in inst.plan.nodes[node].out_edges:
+        ends: dict[str, torch.Tensor] = {}  # each name's value at the loop's end, for every edge that reads it
+        for name in node_plan.loop_end_outputs:
+            values = inst.exits.pop((node, name))
+            ends[name] = torch.cat(values) if name in lp.accumulate else values[-1]
+        for pe in node_plan.out_edges:
             e = pe.edge
             if pe.kind is EdgeKind.EXIT or pe.kind is EdgeKind.EMIT_AT_END:
-                value = ends.get(e.name)
-                if value is None:
-                    values = inst.exits.pop((node, e.name))
-                    value = ends[e.name] = torch.cat(values) if e.name in lp.accumulate else values[-1]
+                value = ends[e.name]
                 if pe.kind is EdgeKind.EXIT:
                     self.deliver(req, inst, e.dst, e.name, -1, value, [host(inst.walk, e.dst)])
                 else:  # ahead of this fragment's FRAGMENT_DONE on the same link: postprocess sees it first

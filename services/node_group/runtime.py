@@ -121,9 +121,7 @@ class NodeGroupRuntime:
             except RequestFailed as e:
                 self.fail(rid, e.code, e.message)
             except Exception as e:  # a bug here must end this request, not the peer's stream (and its other requests)
-                log.exception("node group '%s': a frame from '%s' for request %s failed", self.group, batch.sender, rid)
-                self.fail(rid, grpc.StatusCode.INTERNAL, f"node group '{self.group}': handling a frame from "
-                          f"'{batch.sender}' failed: {type(e).__name__}: {e}")
+                self._failed_on_bug([rid], f"handling a frame from '{batch.sender}'", e)
 
     def _on_frame(self, f: pb.Frame, tensors: dict[str, torch.Tensor]) -> None:
         if f.kind == K.FRAME_KIND_RELEASE:
@@ -240,11 +238,7 @@ class NodeGroupRuntime:
             try:
                 await self._rounds()
             except Exception as e:  # last resort: the loop must outlive a bug, or every request here hangs
-                log.exception("node group '%s': the runtime loop failed; failing its %d requests",
-                              self.group, len(self.requests))
-                for rid in list(self.requests):
-                    self.fail(rid, grpc.StatusCode.INTERNAL,
-                              f"node group '{self.group}': runtime loop failed: {type(e).__name__}: {e}")
+                self._failed_on_bug(list(self.requests), "the runtime loop", e)
                 await asyncio.sleep(0.1)  # a fault that repeats without requests does not spin
 
     async def _rounds(self) -> None:
@@ -398,9 +392,7 @@ class NodeGroupRuntime:
                 continue
             inst.busy.discard(node)
             if isinstance(out, Exception):
-                log.exception("node '%s' failed for request %s", node, req.request_id, exc_info=out)
-                self.fail(req.request_id, grpc.StatusCode.INTERNAL,
-                          f"node group '{self.group}': node '{node}' failed: {type(out).__name__}: {out}")
+                self._failed_on_bug([req.request_id], f"node '{node}'", out)
                 continue
             try:
                 self.router.after_fire(req, inst, node, call, out, sub)
@@ -408,13 +400,16 @@ class NodeGroupRuntime:
             except RequestFailed as e:
                 self.fail(req.request_id, e.code, e.message)
             except Exception as e:  # a bug in routing or in the model's check_stop: this request only
-                log.exception("node group '%s': routing the outputs of node '%s' failed for request %s",
-                              self.group, node, req.request_id)
-                self.fail(req.request_id, grpc.StatusCode.INTERNAL,
-                          f"node group '{self.group}': routing the outputs of node '{node}' failed: "
-                          f"{type(e).__name__}: {e}")
+                self._failed_on_bug([req.request_id], f"routing the outputs of node '{node}'", e)
 
     # -- endings -------------------------------------------------------------------------
+    def _failed_on_bug(self, request_ids: list[str], what: str, e: BaseException) -> None:
+        """``what`` raised ``e`` (a bug, ours or the model's): log it, fail those requests with
+        INTERNAL "node group '<group>': <what> failed: <error>"."""
+        log.error("node group '%s': %s failed (requests %s)", self.group, what, request_ids, exc_info=e)
+        for rid in request_ids:
+            self.fail(rid, grpc.StatusCode.INTERNAL, f"node group '{self.group}': {what} failed: {type(e).__name__}: {e}")
+
     def fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
         if request_id in self.requests:
             self.links["conductor"].send(pb.Frame(kind=K.FRAME_KIND_FAIL, request_id=request_id,
