@@ -1,7 +1,7 @@
 """A bug in a model's code fails that request with INTERNAL saying what went wrong, wherever it
 happens, and the services go on serving: conductor side (validate / process_prompt, the state
 machine at a request's start or later, postprocess) and node side (outputs of the wrong type, a
-chunk walk failing on its first, a middle or its last chunk)."""
+chunk walk failing on its first, a middle or its last chunk, a bug the runtime loop itself hits)."""
 
 import grpc
 import pytest
@@ -176,3 +176,51 @@ def test_a_failing_chunk_walk_fails_its_request_and_releases_the_rest(groups):
             await wait_released(mesh)
     run(go())
 
+
+class BrokenBatching(Fn):
+    """A node whose batching knob raises while ``broken`` is set: the runtime loop itself hits
+    the bug (choosing the next batch), outside any one request's routing."""
+
+    broken = False
+
+    @property
+    def max_batch(self):
+        if BrokenBatching.broken:
+            raise RuntimeError("max_batch broke")
+        return 8
+
+
+class Batchy(TensorModel):
+    name = "batchy"
+    nodes = (GraphNode("a"),)
+
+    def build_walks(self):
+        return [Walk("w", "a", [GraphEdge(INPUT, "a", "n"), GraphEdge("a", EMIT_TO_CLIENT, "y", modality=Modality.LATENT)])]
+
+    def next_walk(self, state, finished):
+        return WalkSeed("w", {"n": torch.tensor([1])}) if finished is None else None
+
+    def create_submodule(self, ctx):
+        return BrokenBatching(lambda c: {"y": c.inputs["n"]})
+
+
+register("batchy", f"{__name__}:Batchy")
+
+
+def test_a_bug_in_the_runtime_loop_fails_its_requests_and_the_loop_goes_on():
+    cfg = parse_config({"model": "batchy", "node_groups": [{"name": "g", "node_names": ["a"]}]})
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            BrokenBatching.broken = True
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(mesh.stub, cpb.GenerateRequest(model="batchy", text="x"), timeout=10)
+            finally:
+                BrokenBatching.broken = False
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert e.value.details() == "node group 'g': the runtime loop failed: RuntimeError: max_batch broke"
+            out, _ = await collect(mesh.stub, cpb.GenerateRequest(model="batchy", text="x"), timeout=10)
+            assert list(out) == ["y"]  # the loop went on
+            await wait_released(mesh)
+    run(go())

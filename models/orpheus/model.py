@@ -166,10 +166,9 @@ class OrpheusModel(Model):
 
     def postprocess(self, state: RequestState, emit: Emit) -> list[Output]:
         if emit.name == "finish":  # the decode loop's end: why (end-of-speech, else max_tokens) and tokens sampled
-            why, *sampled = emit.tensor.tolist()
+            why, sampled = emit.tensor.tolist()  # the last iteration always says why (max_tokens <= MAX_DECODE_ITERS)
             state.finish_reason = "stop" if why == FINISH_STOP else "length"
-            if sampled:  # absent only if the loop hit its own cap (MAX_DECODE_ITERS >= any max_tokens)
-                state.completion_tokens = sampled[0]
+            state.completion_tokens = sampled
             return []
         samples = emit.tensor
         if samples.numel() == 0:

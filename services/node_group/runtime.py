@@ -239,7 +239,9 @@ class NodeGroupRuntime:
                 await self._rounds()
             except Exception as e:  # last resort: the loop must outlive a bug, or every request here hangs
                 self._failed_on_bug(list(self.requests), "the runtime loop", e)
-                await asyncio.sleep(0.1)  # a fault that repeats without requests does not spin
+                self.ready.clear()  # what was queued belongs to the failed requests
+                self._order.clear()
+                await asyncio.sleep(0.1)  # a fault that repeats does not spin
 
     async def _rounds(self) -> None:
         loop = asyncio.get_running_loop()
