@@ -217,7 +217,7 @@ class ConductorServer(ServerBase):
         deadline = loop.time() + grace_s
         while self.table.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        await self.server.stop(grace=1.0)
+        await self.stop_server()
         for task in (self._probe, self._ready):
             if task is not None:
                 task.cancel()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +30,14 @@ class ServerBase:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
+
+
+    async def stop_server(self, grace_s: float = 1.0) -> None:
+        """Stop gRPC: calls still open after ``grace_s`` are cancelled. In a mesh those are the
+        peers' long-lived streams, which end this way on every stop, so grpc's per-call
+        "Aborting method ... due to server stop" warning is silenced here."""
+        logging.getLogger("grpc._cython.cygrpc").setLevel(logging.ERROR)
+        await self.server.stop(grace=grace_s)
 
 
 def run_service(main) -> None:

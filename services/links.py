@@ -61,6 +61,7 @@ class Link:
         self._requests: set[str] = set()
         self._last_request = ""  # of the frame queued last
         self._edges = metrics.EdgeMetrics(sender_name, peer)
+        self.draining = False  # set by Links.drain: a link that goes down now is the shutdown, not a fault
 
     # -- sending -------------------------------------------------------------------------
     def send(self, frame: node_group_pb2.Frame, tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
@@ -139,7 +140,11 @@ class Link:
             f = queue.get_nowait()
             if f.request_id:
                 affected.add(f.request_id)
-        log.warning("link %s -> %s (%s) down: %s", self.sender_name, self.peer, self.address, reason)
+        # A fault when it cost requests; a link with nothing in flight, or of a service that is
+        # stopping itself, closing is how a mesh shuts down (it reconnects on the next frame).
+        hurt = bool(affected) and not self.draining
+        log.log(logging.WARNING if hurt else logging.INFO, "link %s -> %s (%s) %s: %s; %d request(s) in flight",
+                self.sender_name, self.peer, self.address, "down" if hurt else "closed", reason, len(affected))
         self._on_down(self, f"{self.peer} ({self.address}) is unreachable: {reason}", affected)
 
     async def close(self) -> None:
@@ -161,6 +166,7 @@ class Links:
         self.sender_name, self.protocol, self._on_down = sender_name, protocol, on_down
         self._links: dict[str, Link] = {}  # address -> link
         self._default: dict[str, str] = {}  # peer name -> address when a request names no replica
+        self._draining = False
 
     def add(self, peer: str, address: str, kind: str = "exchange") -> Link:
         """A peer known at start (the conductor; node groups from --peers)."""
@@ -171,6 +177,7 @@ class Links:
         link = self._links.get(address)
         if link is None:
             link = self._links[address] = Link(self.sender_name, peer, address, kind, self.protocol, self._on_down)
+            link.draining = self._draining
         return link
 
     def route(self, peer: str, routes) -> Link:
@@ -188,6 +195,13 @@ class Links:
     def forget(self, request_id: str) -> None:
         for link in self._links.values():
             link.forget(request_id)
+
+    def drain(self) -> None:
+        """This service is stopping: peers stopping too (a whole mesh shut down at once) are
+        expected, so their links going down is logged at INFO, not as a fault."""
+        self._draining = True
+        for link in self._links.values():
+            link.draining = True
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self._links.values()))

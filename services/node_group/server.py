@@ -62,7 +62,7 @@ class NodeGroupServer(ServerBase):
         deadline = asyncio.get_running_loop().time() + grace_s
         while self.runtime.pending_requests and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        await self.server.stop(grace=1.0)
+        await self.stop_server()
         if self._loop_task:
             self._loop_task.cancel()
         await self.runtime.close()
@@ -94,6 +94,9 @@ async def join_conductor(conductor: str, group: str, address: str, leave: bool =
                          group, list(resp.replicas))
                 return
             except grpc.aio.AioRpcError as e:
+                if leave and e.code() == grpc.StatusCode.UNAVAILABLE:  # it stopped first (the whole mesh is stopping)
+                    log.info("conductor %s is gone; node group '%s' has nothing to leave", conductor, group)
+                    return
                 if leave or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     log.warning("could not %s conductor %s: %s", "leave" if leave else "join", conductor, e.details())
                     return
@@ -250,6 +253,7 @@ async def serve(args: argparse.Namespace) -> None:
         watching.append(loop.create_task(followers.watch(lost)))
     await stop.wait()
     log.info("node group '%s' draining", args.group)
+    runtime.links.drain()
     joining.cancel()
     await join_conductor(args.conductor, args.group, advertised, leave=True)
     if failure:  # an engine that cannot step (or would block on a dead rank): leave at once, the conductor fails its requests
