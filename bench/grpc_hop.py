@@ -20,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from mstar import grpc_env  # the services' grpc settings, for this process too
+
+grpc_env.apply()  # before grpc is imported
+
 import grpc
 
 from mstar.services.grpc_server import run_service

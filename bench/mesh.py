@@ -21,6 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from mstar import grpc_env  # the services' grpc settings, for this process too
+
+grpc_env.apply()  # before grpc is imported
+
 import aiohttp
 import grpc
 

@@ -1,5 +1,9 @@
 from pathlib import Path
 
+from mstar import grpc_env
+
+grpc_env.apply()  # the services' grpc settings for in-process meshes too, before grpc is imported
+
 import pytest
 
 from mstar.config import load_config
