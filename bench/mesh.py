@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from mstar import grpc_env  # the services' grpc settings, for this process too
@@ -58,10 +59,13 @@ async def one(stub, r) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+WARMUP = 50
+
+
 async def latency(address: str, clients: int, total: int) -> dict:
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = conductor_pb2_grpc.ConductorStub(ch)
-        for _ in range(50):  # warm-up
+        for _ in range(WARMUP):
             await one(stub, req("hi", max_tokens=2))
         lat: list[float] = []
         per_client = total // clients
@@ -130,6 +134,31 @@ async def transfer(address: str, protocol: str, repeats: int) -> list[dict]:
     return out
 
 
+def link_totals(mesh: Mesh) -> tuple[int, int]:
+    """gRPC messages and frames written on every link of the mesh so far (the services'
+    ``mstar_link_messages`` / ``mstar_link_frames`` counters)."""
+    totals = [0.0, 0.0]
+    for name, url in mesh.metrics_urls().items():
+        if name == "gateway":
+            continue
+        with urllib.request.urlopen(url, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                for i, metric in enumerate(("mstar_link_messages_total{", "mstar_link_frames_total{")):
+                    if line.startswith(metric):
+                        totals[i] += float(line.rsplit(" ", 1)[1])
+    return int(totals[0]), int(totals[1])
+
+
+def latency_with_links(mesh: Mesh, clients: int, total: int) -> dict:
+    """``latency`` plus the mesh's gRPC messages (and frames) per request, warm-ups included."""
+    m0, f0 = link_totals(mesh)
+    r = asyncio.run(latency(mesh.conductor_address, clients, total))
+    m1, f1 = link_totals(mesh)
+    n = r["requests"] + WARMUP
+    r["link_messages_per_request"], r["link_frames_per_request"] = (m1 - m0) / n, (f1 - f0) / n
+    return r
+
+
 def raw_grpc(counts) -> list[dict]:
     """The same client loop against a server that does no work (bench/bare_grpc_server.py)."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_grpc_server.py")], stdin=subprocess.PIPE,
@@ -150,7 +179,7 @@ def machine() -> dict:
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "commit": commit,
-            "grpcio": grpc.__version__}
+            "grpcio": grpc.__version__, "GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS")}
 
 
 def main() -> None:
@@ -166,7 +195,7 @@ def main() -> None:
     result["raw_grpc"] = raw_grpc(counts)
     mesh = launch("SHM")
     try:
-        result["latency"] = [asyncio.run(latency(mesh.conductor_address, c, n)) for c, n in counts]
+        result["latency"] = [latency_with_links(mesh, c, n) for c, n in counts]
         prompt = ("The quick brown fox jumps over the lazy dog. " * 100)[:4096]
         result["events"] = [asyncio.run(events_grpc(mesh.conductor_address, s, prompt)) for s in (1, 8)]
         result["events"] += [asyncio.run(events_gateway(mesh.url, s, prompt)) for s in (1, 8)]

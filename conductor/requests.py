@@ -162,14 +162,18 @@ class RequestTable:
             return
         ar.ended = True
         ar.events.put_nowait(event)
-        self.release(ar)
+        self.release(ar, now=not isinstance(event, Finished))
 
-    def release(self, ar: ActiveRequest) -> None:
-        """Tell every node group the request touched to free what it holds."""
+    def release(self, ar: ActiveRequest, now: bool = True) -> None:
+        """Tell every node group the request touched to free what it holds. A request that
+        failed or was cancelled may still be computing there: its RELEASE leaves at once. One
+        that finished holds only idle state: its RELEASE rides with the link's next message
+        (``Link.send_later``, at most a few ms later), which under load saves a message a group."""
         ar.ended = True
         for g in ar.touched:
             link = self.links.to(g, ar.routes[g])
-            link.send(pb.Frame(kind=K.FRAME_KIND_RELEASE, request_id=ar.request_id))
+            frame = pb.Frame(kind=K.FRAME_KIND_RELEASE, request_id=ar.request_id)
+            link.send(frame) if now else link.send_later(frame)
             link.forget(ar.request_id)
         ar.touched.clear()
         self.unpin(ar)

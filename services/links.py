@@ -2,7 +2,8 @@
 
 A Link owns one bidirectional stream to a peer (a node group's Exchange or the
 conductor's Report). Frames queued in the same event-loop tick are coalesced into
-one FrameBatch. When the stream breaks, every request that used the link since it
+one FrameBatch; frames nobody waits for (a request's RELEASE) ride along with the next
+message (``send_later``). When the stream breaks, every request that used the link since it
 opened is reported to ``on_down`` so it can fail with a status naming the peer.
 """
 
@@ -45,6 +46,9 @@ SERVER_OPTIONS = [  # accept the links' keepalive pings
 ]
 MAX_FRAMES_PER_BATCH = 512
 MAX_COALESCE_PASSES = 4  # event-loop passes a message may wait for other requests' frames
+#: how long a deferred frame (``Link.send_later``: a request's RELEASE) may wait to ride along
+#: with the link's next message before it is sent on its own
+DEFER_S = 0.005
 
 OnDown = Callable[["Link", str, set[str]], None]  # (link, reason, request ids)
 
@@ -60,7 +64,10 @@ class Link:
         self._tensors: LinkSender | None = None
         self._requests: set[str] = set()
         self._last_request = ""  # of the frame queued last
+        self._deferred: list[node_group_pb2.Frame] = []  # sent with the next message, or after DEFER_S
+        self._defer_timer: asyncio.TimerHandle | None = None
         self._edges = metrics.EdgeMetrics(sender_name, peer)
+        self._written = metrics.link_counts(sender_name, peer)  # [messages, frames]
         self.draining = False  # set by Links.drain: a link that goes down now is the shutdown, not a fault
 
     # -- sending -------------------------------------------------------------------------
@@ -81,6 +88,31 @@ class Link:
         self._last_request = rid
         self._queue.put_nowait(frame)
 
+    def send_later(self, frame: node_group_pb2.Frame) -> None:
+        """Queue a frame (no tensors) that no request waits for, such as a RELEASE: it goes with
+        the link's next message, or on its own after ``DEFER_S``. Under load that saves a gRPC
+        message (~100 µs of CPU on either side) per frame; the peer frees the request's state
+        at most ``DEFER_S`` later. Ordering is kept: it leaves after every frame sent before it."""
+        task = self._task
+        if task is None or task.done():
+            self._start()
+        self._deferred.append(frame)
+        if self._defer_timer is None:
+            self._defer_timer = asyncio.get_running_loop().call_later(DEFER_S, self._flush_deferred)
+
+    def _flush_deferred(self) -> None:
+        """Nothing took the deferred frames along in time: queue them for the writer."""
+        self._defer_timer = None
+        for frame in self._take_deferred():
+            self._queue.put_nowait(frame)
+
+    def _take_deferred(self) -> list[node_group_pb2.Frame]:
+        frames, self._deferred = self._deferred, []
+        if self._defer_timer is not None:
+            self._defer_timer.cancel()
+            self._defer_timer = None
+        return frames
+
     def forget(self, request_id: str) -> None:
         self._requests.discard(request_id)
 
@@ -88,6 +120,7 @@ class Link:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=LINK_OPTIONS)
         self._tensors = LinkSender(self.protocol, self.sender_name)
+        self._take_deferred()  # frames for a stream that broke: its peer lost that state anyway
         self._queue = asyncio.Queue()
         self._requests = set()
         self._task = asyncio.get_running_loop().create_task(self._run(self._tensors, self._queue))
@@ -107,6 +140,11 @@ class Link:
             frames = [frame]
             while not queue.empty() and len(frames) < MAX_FRAMES_PER_BATCH:
                 frames.append(queue.get_nowait())
+            if self._deferred and queue.empty():  # after everything queued before them
+                frames.extend(self._take_deferred())
+            written = self._written
+            written[0] += 1
+            written[1] += len(frames)
             try:
                 await call.write(node_group_pb2.FrameBatch(sender=self.sender_name, frames=frames))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
@@ -148,6 +186,8 @@ class Link:
         self._on_down(self, f"{self.peer} ({self.address}) is unreachable: {reason}", affected)
 
     async def close(self) -> None:
+        for frame in self._take_deferred():
+            self._queue.put_nowait(frame)
         if self._task is not None:
             self._task.cancel()
             try:

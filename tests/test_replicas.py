@@ -16,7 +16,7 @@ from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
-from helpers import collect, request, rot13, run, text_of
+from helpers import collect, request, rot13, run, text_of, wait_released
 
 
 def test_pick_spreads_by_load_then_least_recent():
@@ -108,6 +108,10 @@ def test_a_joined_replica_serves_its_share_and_requests_stay_on_their_replicas(t
                 for p, (out, final) in zip(prompts, results, strict=True):
                     assert text_of(out["text"]) == rot13(p) and final.usage.completion_tokens == len(p)
                 assert runtime.calls > 0 and mesh.runtime("decoder").calls > 0, "both replicas did work"
+                await wait_released(mesh)  # a finished request's RELEASE may ride along for a few ms
+                deadline = asyncio.get_running_loop().time() + 5
+                while runtime.requests and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.01)
                 assert not runtime.requests and not mesh.runtime("decoder").requests, "both released everything"
             finally:
                 await extra.stop(grace_s=0.5)

@@ -1,0 +1,71 @@
+"""A Link's deferred frames (``send_later``: a finished request's RELEASE) ride along with the
+link's next message, keep their order, and go on their own after ``DEFER_S`` when nothing
+else does. A real gRPC peer records each FrameBatch it receives; the link counts what it wrote."""
+
+import asyncio
+
+import grpc
+
+from mstar import metrics
+from mstar.services import links as links_mod
+from mstar.services.links import Link
+from mstar.services.transport import Protocol
+from mstar.v1 import node_group_pb2 as pb
+from mstar.v1 import node_group_pb2_grpc
+
+from helpers import run
+
+K = pb.FrameKind
+
+
+class Recorder(node_group_pb2_grpc.NodeGroupServicer):
+    def __init__(self):
+        self.batches: asyncio.Queue[list[tuple[int, str]]] = asyncio.Queue()
+
+    async def Exchange(self, request_iterator, context):
+        async for batch in request_iterator:
+            self.batches.put_nowait([(f.kind, f.request_id) for f in batch.frames])
+        return
+        yield  # a stream-stream handler: an async generator that answers nothing
+
+
+def frame(kind, rid):
+    return pb.Frame(kind=kind, request_id=rid)
+
+
+def test_deferred_frames_ride_along_keep_order_and_are_not_kept_back_for_long():
+    async def main():
+        server = grpc.aio.server()
+        recorder = Recorder()
+        node_group_pb2_grpc.add_NodeGroupServicer_to_server(recorder, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        down = []
+        link = Link("links-test", "peer", f"127.0.0.1:{port}", "exchange", Protocol.TCP, lambda *a: down.append(a))
+        got = lambda: asyncio.wait_for(recorder.batches.get(), timeout=5)  # noqa: E731
+        try:
+            # a release queued with other frames goes in their message, after them
+            link.send(frame(K.FRAME_KIND_DATA, "a"))
+            link.send_later(frame(K.FRAME_KIND_RELEASE, "a"))
+            link.send(frame(K.FRAME_KIND_START_WALK, "b"))
+            assert await got() == [(K.FRAME_KIND_DATA, "a"), (K.FRAME_KIND_START_WALK, "b"),
+                                   (K.FRAME_KIND_RELEASE, "a")]
+            # alone, it waits DEFER_S for company, then goes by itself
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            link.send_later(frame(K.FRAME_KIND_RELEASE, "b"))
+            assert await got() == [(K.FRAME_KIND_RELEASE, "b")]
+            assert loop.time() - t0 >= links_mod.DEFER_S * 0.9
+            # a frame sent within DEFER_S takes it along: one message, the release last
+            link.send_later(frame(K.FRAME_KIND_RELEASE, "c"))
+            await asyncio.sleep(links_mod.DEFER_S / 5)
+            link.send(frame(K.FRAME_KIND_START_WALK, "d"))
+            assert await got() == [(K.FRAME_KIND_START_WALK, "d"), (K.FRAME_KIND_RELEASE, "c")]
+            await asyncio.sleep(3 * links_mod.DEFER_S)  # the timer it cancelled sends nothing more
+            assert recorder.batches.empty() and not down
+            assert metrics.link_counts("links-test", "peer") == [3, 6]  # what mstar_link_messages/_frames export
+        finally:
+            await link.close()
+            await server.stop(0)
+
+    run(main())
