@@ -78,6 +78,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Mean hand-over time per tensor", "s", [
             ("sum by (transport) (rate(mstar_edge_transfer_seconds_total[1m])) / "
              "sum by (transport) (rate(mstar_edge_tensors_total[1m]))", "{{transport}}")]),
+        ("gRPC messages per second and frames per message by link", "short", [
+            ("sum by (src, dst) (rate(mstar_link_messages_total[1m]))", "msgs/s {{src}} → {{dst}}"),
+            ("sum by (src, dst) (rate(mstar_link_frames_total[1m])) / "
+             "sum by (src, dst) (rate(mstar_link_messages_total[1m]))", "frames/msg {{src}} → {{dst}}")]),
     ]),
     ("Front proxy", [
         ("Endpoints published by the control plane", "short", [
