@@ -31,7 +31,6 @@ class ServerBase:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-
     async def stop_server(self, grace_s: float = 1.0) -> None:
         """Stop gRPC: calls still open after ``grace_s`` are cancelled. In a mesh those are the
         peers' long-lived streams, which end this way on every stop, so grpc's per-call

@@ -186,8 +186,9 @@ class Link:
         self._on_down(self, f"{self.peer} ({self.address}) is unreachable: {reason}", affected)
 
     async def close(self) -> None:
-        for frame in self._take_deferred():
-            self._queue.put_nowait(frame)
+        # deferred RELEASEs are dropped, like frames still queued: node groups release every
+        # request when their stream to the conductor ends (NodeGroupRuntime._on_link_down)
+        self._take_deferred()
         if self._task is not None:
             self._task.cancel()
             try:
