@@ -28,6 +28,7 @@ grpc_env.apply()  # before grpc is imported
 
 import aiohttp
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from mstar import wire
 from mstar.config import load_config
@@ -137,16 +138,16 @@ async def transfer(address: str, protocol: str, repeats: int) -> list[dict]:
 def link_totals(mesh: Mesh) -> tuple[int, int]:
     """gRPC messages and frames written on every link of the mesh so far (the services'
     ``mstar_link_messages`` / ``mstar_link_frames`` counters)."""
-    totals = [0.0, 0.0]
+    totals = {"mstar_link_messages_total": 0.0, "mstar_link_frames_total": 0.0}
     for name, url in mesh.metrics_urls().items():
-        if name == "gateway":
+        if name == "gateway":  # it writes no frames
             continue
         with urllib.request.urlopen(url, timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                for i, metric in enumerate(("mstar_link_messages_total{", "mstar_link_frames_total{")):
-                    if line.startswith(metric):
-                        totals[i] += float(line.rsplit(" ", 1)[1])
-    return int(totals[0]), int(totals[1])
+            for fam in text_string_to_metric_families(r.read().decode()):
+                for smp in fam.samples:
+                    if smp.name in totals:
+                        totals[smp.name] += smp.value
+    return int(totals["mstar_link_messages_total"]), int(totals["mstar_link_frames_total"])
 
 
 def latency_with_links(mesh: Mesh, clients: int, total: int) -> dict:

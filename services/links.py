@@ -72,9 +72,7 @@ class Link:
 
     # -- sending -------------------------------------------------------------------------
     def send(self, frame: node_group_pb2.Frame, tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
-        task = self._task
-        if task is None or task.done():
-            self._start()
+        self._ensure_started()
         if tensors:
             sender, edges, clock = self._tensors, self._edges, time.perf_counter
             assert sender is not None
@@ -93,9 +91,7 @@ class Link:
         the link's next message, or on its own after ``DEFER_S``. Under load that saves a gRPC
         message (~100 µs of CPU on either side) per frame; the peer frees the request's state
         at most ``DEFER_S`` later. Ordering is kept: it leaves after every frame sent before it."""
-        task = self._task
-        if task is None or task.done():
-            self._start()
+        self._ensure_started()
         self._deferred.append(frame)
         if self._defer_timer is None:
             self._defer_timer = asyncio.get_running_loop().call_later(DEFER_S, self._flush_deferred)
@@ -115,6 +111,12 @@ class Link:
 
     def forget(self, request_id: str) -> None:
         self._requests.discard(request_id)
+
+    def _ensure_started(self) -> None:
+        """(Re)open the stream if it never opened or broke."""
+        task = self._task
+        if task is None or task.done():
+            self._start()
 
     def _start(self) -> None:
         if self._channel is None:
