@@ -7,6 +7,8 @@
 #   tests    pytest tests/engines -m gpu                        -> pytest_gpu.txt
 #   profile  bench/engines/step_profile.py --parts forward,accuracy (merged into step_profile.json;
 #            PROFILE_PARTS / PROFILE_VARIANTS override its parts / variants)
+#   trace    bench/engines/step_trace.py at TRACE_BATCHES (default 16) -> step_trace.json, and with
+#            TRACE_COMPARE (EngineConfig fields as JSON) -> step_trace-compare.json
 #   bench    bench/engines/decode_bench.py (baseline runs skipped past BENCH_DEADLINE; HF_ORDER: which,
 #            most wanted first; BENCH_ARGS: more arguments) -> decode_bench.json
 # Packs ~/.cache/flashinfer into OUTDIR/fi-jit-cache.tgz at the end (copy it to .fi/).
@@ -40,6 +42,13 @@ fi
 if has profile; then
   stamp profile; python bench/engines/step_profile.py --parts "${PROFILE_PARTS:-forward,accuracy}" \
     --out "$OUT/step_profile.json" ${PROFILE_VARIANTS:+--variants "$PROFILE_VARIANTS"}
+fi
+if has trace; then
+  stamp trace
+  (cd bench/engines && python step_trace.py --out "$OUT/step_trace.json" --batches "${TRACE_BATCHES:-16}" && \
+    if [ -n "${TRACE_COMPARE:-}" ]; then
+      python step_trace.py --out "$OUT/step_trace-compare.json" --batches "${TRACE_BATCHES:-16}" --config "$TRACE_COMPARE"
+    fi) 2>&1 | tail -n 5
 fi
 if has bench; then
   stamp bench

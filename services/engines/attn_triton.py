@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from mstar.services.engines.attention import AttentionBatch, HeadShape
+from mstar.services.engines.pdl import gdc_wait, launch_options
 from mstar.services.engines.rowscale_triton import _row_rsqrt
 
 #: Launch configuration: KV tokens per inner iteration (``BLOCK_N_FEW`` for graphs of fewer than
@@ -63,6 +64,7 @@ def _decode_kernel(
     res_ptr, res_stride, hidden, eps,  # ROWSCALE: q / k / v times 1 / rms(res[b]) (the layer's un-normalised input)
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr, ROWSCALE: tl.constexpr, HIDDEN_P2: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the qkv GEMM (pdl.py)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -72,7 +74,7 @@ def _decode_kernel(
     g = tl.arange(0, GP)
     gmask = g < G
     qrow = b * q_stride + (h * G + g)[:, None] * D
-    q = tl.load(q_ptr + qrow + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    # Up to the wait: what the qkv GEMM does not write (page table, RoPE table, the residual row).
     first = tl.load(indptr_ptr + b)
     kv_len = (tl.load(indptr_ptr + b + 1) - first - 1) * PS + tl.load(last_ptr + b)
     if FUSED:
@@ -86,6 +88,10 @@ def _decode_kernel(
             r = _row_rsqrt(res_ptr, b, res_stride, hidden, eps, HIDDEN_P2)
         else:
             r = 1.0
+    if PDL:
+        gdc_wait()
+    q = tl.load(q_ptr + qrow + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    if FUSED:
         q_pair = tl.load(q_ptr + qrow + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
         q = ((q * cos[None, :] + sign[None, :] * q_pair * sin[None, :]) * r).to(dtype).to(tl.float32)
         k_row = k_ptr + b * kv_stride + h * D
@@ -211,6 +217,10 @@ class TritonGraphDecode:
         self.batch_size = batch_size
         self.splits = 1
         self.min_split_tokens = MIN_SPLIT_TOKENS
+        #: launch as a programmatic dependent of the kernel ahead (the qkv GEMM; pdl.py). Set by
+        #: the graphs where ``pdl_unavailable_reason`` is None; the kernel after it must be an
+        #: ordinary launch or wait on it.
+        self.pdl = False
         self._part = self._ml = None
         self._count = torch.zeros(batch_size * heads.num_kv_heads, dtype=torch.int32, device=device)
         self.set_splits(splits_for(batch_size, heads.num_kv_heads))
@@ -268,8 +278,9 @@ class TritonGraphDecode:
             res, res.stride(0), res.shape[-1], eps,
             HKV=h.num_kv_heads, G=h.group, GP=_padded_group(h), D=d, PS=self.page_size, BLOCK=self.block_n,
             FUSED=fused, SPLITS=sp, ROWSCALE=row_rms is not None,
-            HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1,
+            HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1, PDL=self.pdl,
             num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+            **launch_options(self.pdl),
         )
         return out
 

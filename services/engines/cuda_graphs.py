@@ -19,6 +19,7 @@ from mstar.services.engines.batch import SeqSlice, build_step_inputs, upload_str
 from mstar.services.engines.kernels import TORCH_OPS, Ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.layers import ForwardContext
+from mstar.services.engines.pdl import PDL_MODES, pdl_unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,13 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None,
-                 fused_norms: str = "auto", down_gemm: str = "auto"):
+                 fused_norms: str = "auto", down_gemm: str = "auto", pdl: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
         default). ``fused_norms``: one of ``FUSED_NORMS``; ``down_gemm``: one of ``DOWN_GEMM`` (with the
-        Triton kernel the model's down weights are stored row-major, the layout it streams)."""
+        Triton kernel the model's down weights are stored row-major, the layout it streams); ``pdl``:
+        one of ``PDL_MODES``."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -110,6 +112,17 @@ class DecodeGraphs:
 
             set_weight_layout(model, column_major=False, only="down_proj")
             self._down_rows = MAX_ROWS
+        if pdl not in PDL_MODES:
+            raise ValueError(f"pdl '{pdl}' is not one of {', '.join(PDL_MODES)}")
+        no_pdl = None
+        if pdl != "off":
+            no_pdl = (pdl_unavailable_reason(cache.device) if self.fused_norms
+                      else "the graphs keep their RMSNorm kernels, which are not programmatic dependents")
+            if no_pdl and pdl == "on":
+                raise RuntimeError(f"pdl='on': {no_pdl}")
+            if no_pdl:
+                log.info("decode graphs launch no kernel as a programmatic dependent: %s", no_pdl)
+        self.pdl = pdl != "off" and no_pdl is None
         self.model, self.cache, self.ops = model, cache, ops
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.copies = copies
@@ -128,6 +141,7 @@ class DecodeGraphs:
                                                 cache.allocator.num_pages)
                     if min_split_tokens is not None:
                         backend.min_split_tokens = min_split_tokens
+                    backend.pdl = self.pdl
                 else:
                     backend = FlashInferGraphDecode(
                         model.config.heads, dev, cache.spec.dtype, cache.page_size, bs, cache.allocator.num_pages,
@@ -138,7 +152,8 @@ class DecodeGraphs:
                 self._graphs[(bs, copy)] = g
         self.attention = {bs: self._graphs[(bs, 0)].backend.name for bs in self.batch_sizes}
         log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s, fused norms %s, Triton down "
-                 "projection %s", self.batch_sizes, copies, self.attention, self.fused_norms, self.triton_down)
+                 "projection %s, programmatic dependent launches %s", self.batch_sizes, copies, self.attention,
+                 self.fused_norms, self.triton_down, self.pdl)
 
     @torch.inference_mode()
     def _capture(self, bs: int, backend, pool) -> _Graph:
@@ -148,7 +163,7 @@ class DecodeGraphs:
         slots = torch.zeros(bs, dtype=torch.long, device=dev)
         backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
         ctx = ForwardContext(backend, self.cache.kv, slots, self.ops, fused_norms=self.fused_norms,
-                             triton_down=bs <= self._down_rows)
+                             triton_down=bs <= self._down_rows, pdl=self.pdl)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.services.engines.pdl import gdc_wait, launch_options
+
 #: Most rows the decode graphs give the kernel (its row tile is the next power of two >= 16 of the
 #: rows). In the engine on an H100 (bench/results/engines/2026-11-25c/decode_bench-down-ab.json) it
 #: beat cuBLAS' split-K GEMM + reduction by 1.5-3.5% of a step at 1-32 rows and lost 1.4% at 64.
@@ -27,7 +29,9 @@ CONFIGS = {16: (32, 256, 6, 4), 32: (32, 256, 6, 4)}
 
 @triton.jit
 def _linear_add_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_hm,
-                       BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent of the kernel that wrote x (pdl.py)
+        gdc_wait()
     rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -48,10 +52,12 @@ def _linear_add_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, strid
     tl.store(at, (h + acc).to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None,
+                pdl: bool = False) -> torch.Tensor:
     """h [M, N] += x [M, K] @ w.T, w [N, K] row-major, M <= ``MAX_ROWS``; sums in fp32, one
     rounding to h's dtype (as ``h.addmm_(x, w.t())``). ``config``: (BLOCK_N, BLOCK_K, stages,
-    warps) instead of ``CONFIGS``' (benchmarks). Returns h."""
+    warps) instead of ``CONFIGS``' (benchmarks). ``pdl``: launched as a programmatic dependent of
+    the kernel ahead (pdl.py). Returns h."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_ROWS:
@@ -65,5 +71,5 @@ def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: tuple
     block_n, block_k, stages, warps = config or CONFIGS[bm]
     _linear_add_kernel[(triton.cdiv(n, block_n),)](
         x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0),
-        BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
+        BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_stages=stages, num_warps=warps, **launch_options(pdl))
     return h

@@ -38,6 +38,7 @@ from mstar.services.engines.kernels import make_ops
 from mstar.services.engines.kv_cache import PagedKVCache
 from mstar.services.engines.model_runner import ModelRunner, PagedDecoder
 from mstar.services.engines.pages import OutOfPages
+from mstar.services.engines.pdl import PDL_MODES
 from mstar.services.engines.sampling import Sampler, SamplingParams
 from mstar.services.engines.scheduler import (
     ScheduledChunk,
@@ -88,6 +89,9 @@ class EngineConfig:
     # the down projection + residual add of those graphs (batches <= gemm_triton.MAX_ROWS): auto
     # (one Triton kernel where fused_norms is on) | triton (an error where it cannot) | cublas
     down_gemm: str = "auto"
+    # the Triton kernels of those graphs (attention, SiLU·mul, down) launched as programmatic
+    # dependents of the kernel ahead (pdl.py): auto (sm_90+ with a Triton that has it) | on | off
+    pdl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -99,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.fused_norms: '{self.fused_norms}' is not one of {', '.join(FUSED_NORMS)}")
         if self.down_gemm not in DOWN_GEMM:
             raise ValueError(f"EngineConfig.down_gemm: '{self.down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"EngineConfig.pdl: '{self.pdl}' is not one of {', '.join(PDL_MODES)}")
         if self.fused_sampler not in FUSED_SAMPLER:
             raise ValueError(f"EngineConfig.fused_sampler: '{self.fused_sampler}' is not one of {', '.join(FUSED_SAMPLER)}")
 
@@ -151,7 +157,7 @@ class KVCacheEngine:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
                                   min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms,
-                                  down_gemm=config.down_gemm)
+                                  down_gemm=config.down_gemm, pdl=config.pdl)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

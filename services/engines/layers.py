@@ -43,6 +43,9 @@ class ForwardContext:
     # with fused_norms: the down projection and its residual add as one Triton kernel
     # (gemm_triton.linear_add_; the down weights stored row-major) instead of cuBLAS addmm
     triton_down: bool = False
+    # with fused_norms: the SiLU·mul and Triton down kernels launch as programmatic dependents
+    # (pdl.py; the graphs set the attention backend's own switch)
+    pdl: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -230,11 +233,11 @@ class DecoderLayer(nn.Module):
 
         a, mlp = self.self_attn, self.mlp
         h.addmm_(a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps)), a.o_proj.weight.t())
-        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps)
+        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps, pdl=ctx.pdl)
         if ctx.triton_down:
             from mstar.services.engines.gemm_triton import linear_add_
 
-            linear_add_(h, act, mlp.down_proj.weight)
+            linear_add_(h, act, mlp.down_proj.weight, pdl=ctx.pdl)
         else:
             h.addmm_(act, mlp.down_proj.weight.t())
 

@@ -158,11 +158,23 @@ def test_fused_norms_are_refused_where_they_do_not_apply(tmp_path):
         EngineConfig(fused_norms="yes")
     with pytest.raises(ValueError, match="down_gemm"):
         EngineConfig(down_gemm="cutlass")
+    with pytest.raises(ValueError, match="EngineConfig.pdl: 'yes' is not one of auto, on, off"):
+        EngineConfig(pdl="yes")
     torch.manual_seed(0)
     tiny_hf_llama(attention_bias=True).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     model.fold_norms()  # folding is still exact with biases; the fused path is not
     assert "bias" in model.fused_norms_unavailable_reason()
+
+
+def test_programmatic_dependent_launch_says_why_not_off_an_sm90_gpu():
+    from mstar.services.engines import pdl
+
+    assert pdl.pdl_unavailable_reason(torch.device("cpu")) == "device is cpu, not CUDA"
+    assert pdl.launch_options(False) == {}  # an ordinary launch passes nothing (the interpreter has no such option)
+    assert pdl.launch_options(True) == {"launch_pdl": True}
+    with pytest.raises(AttributeError, match="no attribute 'gdc_nothing'"):
+        pdl.gdc_nothing  # noqa: B018
 
 
 def test_fused_norms_are_refused_under_tensor_parallelism():

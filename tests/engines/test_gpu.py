@@ -168,11 +168,16 @@ def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path):
         "fused": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="on")),
         "fused_cublas_down": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="on",
                                                                down_gemm="cublas")),
+        "fused_no_pdl": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="on",
+                                                          pdl="off")),
         "kernels": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off")),
         "fp32": KVCacheEngine(fp32, EngineConfig(**base, attention="torch", kernels="torch", cuda_graphs=False)),
     }
     assert engines["fused"].runner.graphs.fused_norms and not engines["kernels"].runner.graphs.fused_norms
     assert engines["fused"].runner.graphs.triton_down and not engines["fused_cublas_down"].runner.graphs.triton_down
+    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    assert engines["fused"].runner.graphs.pdl == sm90 and not engines["fused_no_pdl"].runner.graphs.pdl
+    assert not engines["kernels"].runner.graphs.pdl  # the norm kernels are ordinary launches
     prompts = [torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(s)) for s in range(8)]
     ids = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(9))
     logits = {}
@@ -186,6 +191,8 @@ def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path):
         inputs = graphs.prepare(slices) if graphs else build_step_inputs(eng.cache, slices)
         logits[name] = eng.logits(eng.runner.run(inputs, token_ids=ids))
         assert eng.runner.last_run_replayed == (graphs is not None)
+    # programmatic dependent launches only move each kernel's start: the same sums, bit for bit
+    assert torch.equal(logits["fused"], logits["fused_no_pdl"])
     err_kernels = _rel(logits["kernels"], logits["fp32"])
     for name in ("fused", "fused_cublas_down"):  # the down projection in Triton or in cuBLAS
         err = _rel(logits[name], logits["fp32"])
@@ -201,3 +208,5 @@ def test_fused_norms_on_is_refused_where_the_graphs_cannot_apply_them(tmp_path):
         KVCacheEngine(model, EngineConfig(**base, graph_attention="flashinfer", fused_norms="on"))
     with pytest.raises(RuntimeError, match="down_gemm='triton'"):
         KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off", down_gemm="triton"))
+    with pytest.raises(RuntimeError, match="pdl='on': the graphs keep their RMSNorm kernels"):
+        KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off", pdl="on"))
