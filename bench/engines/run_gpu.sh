@@ -8,7 +8,8 @@
 #   profile  bench/engines/step_profile.py --parts forward,accuracy (merged into step_profile.json;
 #            PROFILE_PARTS / PROFILE_VARIANTS override its parts / variants)
 #   trace    bench/engines/step_trace.py at TRACE_BATCHES (default 16) -> step_trace.json, and with
-#            TRACE_COMPARE (EngineConfig fields as JSON) -> step_trace-compare.json
+#            each of TRACE_COMPARE's EngineConfig changes (JSON objects separated by ';') ->
+#            step_trace-compare1.json, -compare2.json, ...
 #   bench    bench/engines/decode_bench.py (baseline runs skipped past BENCH_DEADLINE; HF_ORDER: which,
 #            most wanted first; BENCH_ARGS: more arguments) -> decode_bench.json
 # Packs ~/.cache/flashinfer into OUTDIR/fi-jit-cache.tgz at the end (copy it to .fi/).
@@ -46,9 +47,10 @@ fi
 if has trace; then
   stamp trace
   (cd bench/engines && python step_trace.py --out "$OUT/step_trace.json" --batches "${TRACE_BATCHES:-16}" && \
-    if [ -n "${TRACE_COMPARE:-}" ]; then
-      python step_trace.py --out "$OUT/step_trace-compare.json" --batches "${TRACE_BATCHES:-16}" --config "$TRACE_COMPARE"
-    fi) 2>&1 | tail -n 5
+    i=0 && IFS=';' read -ra changes <<< "${TRACE_COMPARE:-}" && for change in "${changes[@]}"; do
+      i=$((i + 1))
+      python step_trace.py --out "$OUT/step_trace-compare$i.json" --batches "${TRACE_BATCHES:-16}" --config "$change"
+    done) 2>&1 | grep -v Warning | tail -n 8
 fi
 if has bench; then
   stamp bench

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from mstar.services.engines.attention import AttentionBatch, HeadShape
-from mstar.services.engines.pdl import gdc_wait, launch_options
+from mstar.services.engines.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from mstar.services.engines.rowscale_triton import _row_rsqrt
 
 #: Launch configuration: KV tokens per inner iteration (``BLOCK_N_FEW`` for graphs of fewer than
@@ -142,6 +142,8 @@ def _decode_kernel(
             pv = tl.dot(p.to(dtype), vb)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    if PDL:
+        gdc_launch_dependents()  # o_proj may launch; it waits for this kernel's end before reading out
     orow = b * (HKV * G * D) + (h * G + g)[:, None] * D
     if SPLITS == 1:
         tl.store(out_ptr + orow + d[None, :], (acc / l_sum[:, None]).to(dtype), mask=gmask[:, None])

@@ -72,7 +72,7 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None,
-                 fused_norms: str = "auto", down_gemm: str = "auto", pdl: str = "auto"):
+                 fused_norms: str = "auto", down_gemm: str = "auto", pdl: str = "auto", proj_gemm: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
@@ -112,6 +112,18 @@ class DecodeGraphs:
 
             set_weight_layout(model, column_major=False, only="down_proj")
             self._down_rows = MAX_ROWS
+        if proj_gemm not in DOWN_GEMM:
+            raise ValueError(f"proj_gemm '{proj_gemm}' is not one of {', '.join(DOWN_GEMM)}")
+        if proj_gemm == "triton" and not self.fused_norms:
+            raise RuntimeError("proj_gemm='triton': the graphs keep their RMSNorm kernels")
+        self._proj_rows = 0
+        if proj_gemm != "cublas" and self.fused_norms:
+            from mstar.services.engines.gemm_triton import MAX_ROWS
+            from mstar.services.engines.layers import set_weight_layout
+
+            set_weight_layout(model, column_major=False, only="qkv_proj")
+            set_weight_layout(model, column_major=False, only="o_proj")
+            self._proj_rows = MAX_ROWS
         if pdl not in PDL_MODES:
             raise ValueError(f"pdl '{pdl}' is not one of {', '.join(PDL_MODES)}")
         no_pdl = None
@@ -163,7 +175,7 @@ class DecodeGraphs:
         slots = torch.zeros(bs, dtype=torch.long, device=dev)
         backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
         ctx = ForwardContext(backend, self.cache.kv, slots, self.ops, fused_norms=self.fused_norms,
-                             triton_down=bs <= self._down_rows, pdl=self.pdl)
+                             triton_down=bs <= self._down_rows, pdl=self.pdl, triton_proj=bs <= self._proj_rows)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

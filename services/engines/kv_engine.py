@@ -92,6 +92,9 @@ class EngineConfig:
     # the Triton kernels of those graphs (attention, SiLU·mul, down) launched as programmatic
     # dependents of the kernel ahead (pdl.py): auto (sm_90+ with a Triton that has it) | on | off
     pdl: str = "auto"
+    # qkv and o_proj (+ residual add) of those graphs (batches <= gemm_triton.MAX_ROWS): auto
+    # (Triton kernels where fused_norms is on) | triton | cublas
+    proj_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -157,7 +160,7 @@ class KVCacheEngine:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
                                   min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms,
-                                  down_gemm=config.down_gemm, pdl=config.pdl)
+                                  down_gemm=config.down_gemm, pdl=config.pdl, proj_gemm=config.proj_gemm)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

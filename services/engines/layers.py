@@ -46,6 +46,9 @@ class ForwardContext:
     # with fused_norms: the SiLU·mul and Triton down kernels launch as programmatic dependents
     # (pdl.py; the graphs set the attention backend's own switch)
     pdl: bool = False
+    # with fused_norms: qkv and o_proj (+ residual add) as Triton kernels (gemm_triton.linear /
+    # linear_add_; their weights stored row-major) instead of cuBLAS
+    triton_proj: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -165,10 +168,17 @@ class PagedAttention(nn.Module):
     def tp_split(self) -> dict[str, int]:
         return {"qkv_proj.weight": 0, "qkv_proj.bias": 0, "o_proj.weight": 1}
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Un-rotated q [n, Hq, D], k, v [n, Hkv, D]: views into one GEMM's output."""
+    def qkv(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Un-rotated q [n, Hq, D], k, v [n, Hkv, D]: views into one GEMM's output (a Triton one
+        where ``ctx.triton_proj``)."""
         n, h = x.shape[0], self.heads
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if ctx is not None and ctx.triton_proj:
+            from mstar.services.engines.gemm_triton import linear
+
+            out = linear(x, self.qkv_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl)
+        else:
+            out = self.qkv_proj(x)
+        q, k, v = out.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(n, h.num_qo_heads, h.head_dim), k.view(n, h.num_kv_heads, h.head_dim),
                 v.view(n, h.num_kv_heads, h.head_dim))
 
@@ -176,7 +186,7 @@ class PagedAttention(nn.Module):
                row_rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """Attention output [n, q_size] before o_proj. ``row_rms`` (x, eps): ``x`` is not normalised;
         the fused RoPE + store backend scales q / k / v by each row's 1 / rms (that backend only)."""
-        q, k, v = self.qkv(x)
+        q, k, v = self.qkv(x, ctx)
         kv_layer = ctx.kv[self.layer_idx]
         if getattr(ctx.backend, "fuses_rope_store", False):  # one kernel: RoPE, K/V store, attention
             o = ctx.backend.run_rope_store(q, k, v, positions, ctx.slots, kv_layer, self.rope.cos_sin_cache(q.device),
@@ -229,15 +239,18 @@ class DecoderLayer(nn.Module):
         with r = 1 / rms(h) per row: the qkv and gate_up GEMMs read ``h`` itself, the fused decode
         kernel and the SiLU·mul kernel compute r and scale, and o_proj / down add into ``h`` in
         their GEMM (beta = 1), which replaces the residual adds."""
+        from mstar.services.engines.gemm_triton import linear_add_
         from mstar.services.engines.rowscale_triton import silu_mul_rowscale
 
         a, mlp = self.self_attn, self.mlp
-        h.addmm_(a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps)), a.o_proj.weight.t())
+        o = a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps))
+        if ctx.triton_proj:
+            linear_add_(h, o, a.o_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl)
+        else:
+            h.addmm_(o, a.o_proj.weight.t())
         act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps, pdl=ctx.pdl)
         if ctx.triton_down:
-            from mstar.services.engines.gemm_triton import linear_add_
-
-            linear_add_(h, act, mlp.down_proj.weight, pdl=ctx.pdl)
+            linear_add_(h, act, mlp.down_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl and ctx.triton_proj)
         else:
             h.addmm_(act, mlp.down_proj.weight.t())
 

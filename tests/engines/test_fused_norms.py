@@ -20,7 +20,7 @@ from mstar.services.engines import EngineConfig, ForwardItem, LlamaForCausalLM  
 from mstar.services.engines.attention import HeadShape  # noqa: E402
 from mstar.services.engines.attn_triton import TritonGraphDecode  # noqa: E402
 from mstar.services.engines.batch import SeqSlice, build_step_inputs  # noqa: E402
-from mstar.services.engines.gemm_triton import MAX_ROWS, linear_add_  # noqa: E402
+from mstar.services.engines.gemm_triton import MAX_ROWS, linear, linear_add_  # noqa: E402
 from mstar.services.engines.kernels import TORCH_OPS, rms_scale_ref  # noqa: E402
 from mstar.services.engines.layers import ForwardContext, RotaryEmbedding  # noqa: E402
 from mstar.services.engines.rowscale_triton import silu_mul_rowscale, silu_mul_rowscale_ref  # noqa: E402
@@ -119,9 +119,11 @@ def test_a_decode_step_without_norm_kernels_matches_the_reference(tiny_model):
     dec = TritonGraphDecode(tiny_model.config.heads, torch.device("cpu"), torch.float32, PAGE_SIZE, 3,
                             cache.allocator.num_pages)
     dec.plan(inputs.attn)
-    for model, fused, down in ((folded, True, False), (folded, True, True), (folded, False, False),
-                               (tiny_model, False, False)):
-        ctx = ForwardContext(dec, cache.kv, inputs.attn.slots, TORCH_OPS, fused_norms=fused, triton_down=down)
+    for model, fused, down, proj in ((folded, True, False, False), (folded, True, True, False),
+                                     (folded, True, True, True), (folded, False, False, False),
+                                     (tiny_model, False, False, False)):
+        ctx = ForwardContext(dec, cache.kv, inputs.attn.slots, TORCH_OPS, fused_norms=fused, triton_down=down,
+                             triton_proj=proj)
         got = model(model.embed(ids), inputs.positions, ctx)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cache.kv, want_kv, atol=1e-5, rtol=1e-5)
@@ -138,6 +140,7 @@ def test_triton_down_projection_adds_x_w_t_into_h(m, n, k):
     got = linear_add_(h, x, w)
     assert got is h
     torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)  # the same kernel without the add
 
 
 @CPU_ONLY

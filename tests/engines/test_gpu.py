@@ -170,6 +170,8 @@ def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path):
                                                                down_gemm="cublas")),
         "fused_no_pdl": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="on",
                                                           pdl="off")),
+        "fused_cublas_proj": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="on",
+                                                               proj_gemm="cublas")),
         "kernels": KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off")),
         "fp32": KVCacheEngine(fp32, EngineConfig(**base, attention="torch", kernels="torch", cuda_graphs=False)),
     }
@@ -194,7 +196,7 @@ def test_decode_graphs_without_norm_kernels_are_as_accurate(tmp_path):
     # programmatic dependent launches only move each kernel's start: the same sums, bit for bit
     assert torch.equal(logits["fused"], logits["fused_no_pdl"])
     err_kernels = _rel(logits["kernels"], logits["fp32"])
-    for name in ("fused", "fused_cublas_down"):  # the down projection in Triton or in cuBLAS
+    for name in ("fused", "fused_cublas_down", "fused_cublas_proj"):  # projections in Triton or in cuBLAS
         err = _rel(logits[name], logits["fp32"])
         assert err < 2e-2 and err < 1.3 * err_kernels, (name, err, err_kernels)
 
