@@ -175,7 +175,9 @@ class PagedAttention(nn.Module):
         if ctx is not None and ctx.triton_proj:
             from mstar.services.engines.gemm_triton import linear
 
-            out = linear(x, self.qkv_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl)
+            import os
+            out = linear(x, self.qkv_proj.weight, pdl=ctx.pdl,
+                         trigger=ctx.pdl and int(os.environ.get("MSTAR_EXP_QKV_TRIGGER", "1")))
         else:
             out = self.qkv_proj(x)
         q, k, v = out.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
