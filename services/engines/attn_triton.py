@@ -52,17 +52,6 @@ MIN_SPLIT_TOKENS = 128
 
 
 @triton.jit
-def _prefetch_rows(ptr, rows, mask):
-    """Ask L2 for two 128-byte lines at each of ``rows`` (byte offsets of 256-byte K or V head
-    rows), without waiting: ``prefetch.global.L2`` holds no register and blocks nothing."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    for half in tl.static_range(2):
-        at = tl.where(mask, base + rows + half * 128, base)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, q_stride, kv_stride,  # q [n, Hq, D], k / v [n, Hkv, D]: rows strided, heads dense
     pos_ptr, slot_ptr, cos_sin_ptr,  # int64 [n], int64 [n], fp32 [positions, D] (cos | sin)
@@ -76,7 +65,6 @@ def _decode_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr, ROWSCALE: tl.constexpr, HIDDEN_P2: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the qkv GEMM (pdl.py)
-    PREFETCH: tl.constexpr,  # with PDL: before the wait, ask L2 for this program's cached K/V rows
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -101,26 +89,6 @@ def _decode_kernel(
         else:
             r = 1.0
     if PDL:
-        if PREFETCH:
-            if FUSED:
-                n_pf = kv_len - 1
-            else:
-                n_pf = kv_len
-            if SPLITS == 1:
-                active_pf = 1
-            else:
-                active_pf = tl.load(indptr_ptr + tl.num_programs(0) + 1)
-            chunk_pf = tl.cdiv(n_pf, active_pf)
-            lo_pf = split * chunk_pf
-            hi_pf = tl.minimum(lo_pf + chunk_pf, n_pf)
-            elem: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
-            for t0 in range(lo_pf, hi_pf, BLOCK):
-                t = t0 + tl.arange(0, BLOCK)
-                tmask = t < hi_pf
-                page = tl.load(indices_ptr + first + t // PS, mask=tmask, other=0).to(tl.int64)
-                at = ((page * PS + t % PS) * HKV + h) * D * elem
-                _prefetch_rows(k_cache_ptr, at, tmask)
-                _prefetch_rows(v_cache_ptr, at, tmask)
         gdc_wait()
     q = tl.load(q_ptr + qrow + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     if FUSED:
@@ -255,8 +223,6 @@ class TritonGraphDecode:
         #: the graphs where ``pdl_unavailable_reason`` is None; the kernel after it must be an
         #: ordinary launch or wait on it.
         self.pdl = False
-        import os
-        self.prefetch = os.environ.get("MSTAR_EXP_ATTN_PREFETCH", "0") == "1"
         self._part = self._ml = None
         self._count = torch.zeros(batch_size * heads.num_kv_heads, dtype=torch.int32, device=device)
         self.set_splits(splits_for(batch_size, heads.num_kv_heads))
@@ -315,7 +281,6 @@ class TritonGraphDecode:
             HKV=h.num_kv_heads, G=h.group, GP=_padded_group(h), D=d, PS=self.page_size, BLOCK=self.block_n,
             FUSED=fused, SPLITS=sp, ROWSCALE=row_rms is not None,
             HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1, PDL=self.pdl,
-            PREFETCH=self.pdl and self.prefetch,
             num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
             **launch_options(self.pdl),
         )

@@ -39,8 +39,6 @@ def _linear_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_hm
     wrote x (pdl.py); TRIGGER: let this kernel's own dependents launch once the K loop is done."""
     if PDL:
         gdc_wait()
-    if TRIGGER == 2:
-        gdc_launch_dependents()
     rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -55,7 +53,7 @@ def _linear_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_hm
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    if TRIGGER == 1:
+    if TRIGGER:
         gdc_launch_dependents()  # they wait for this kernel's end before reading h
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     at = h_ptr + rm[:, None] * stride_hm + rn[None, :]

@@ -175,9 +175,7 @@ class PagedAttention(nn.Module):
         if ctx is not None and ctx.triton_proj:
             from mstar.services.engines.gemm_triton import linear
 
-            import os
-            out = linear(x, self.qkv_proj.weight, pdl=ctx.pdl,
-                         trigger=ctx.pdl and int(os.environ.get("MSTAR_EXP_QKV_TRIGGER", "1")))
+            out = linear(x, self.qkv_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl)
         else:
             out = self.qkv_proj(x)
         q, k, v = out.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
