@@ -31,47 +31,24 @@ WIDE_N = 4096
 WIDE_CONFIGS = {16: (64, 256, 4, 4), 32: (64, 256, 4, 4)}
 
 
-#: The SiLU·mul + down projection kernel (``silu_linear_add_``) streams two activation tiles (gate,
-#: up) a K step, so it keeps fewer stages in shared memory than ``CONFIGS``.
-SILU_CONFIGS = {16: (32, 256, 5, 4), 32: (32, 256, 5, 4)}
-
-
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_hm, ss_ptr, ss_count, eps,
+def _linear_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_hm,
                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                   PDL: tl.constexpr, TRIGGER: tl.constexpr, SS_OUT: tl.constexpr, SILU: tl.constexpr,
-                   NP: tl.constexpr):
-    """h = x @ w.T, or h += x @ w.T with ADD.
-
-    PDL: a programmatic dependent of the kernel that wrote x (pdl.py); TRIGGER: let this kernel's
-    own dependents launch once the K loop is done. SS_OUT (with ADD): also write each row's sum of
-    squares of h's new values in this program's columns to ``ss[row, program]`` (fp32, [M,
-    programs]). SILU: ``x`` is [M, 2K], gate | up of un-normalised rows, and the operand is
-    silu(r·gate)·(r·up), r = 1 / sqrt(sum(ss[row, :ss_count]) / h's columns + eps) per row (ss
-    written by an SS_OUT kernel over h; NP: ss_count padded to a power of two)."""
-    rm = tl.arange(0, BM)
-    if SILU:  # ss is two kernels old: read before the wait
-        p = tl.arange(0, NP)
-        part = tl.load(ss_ptr + rm[:, None] * ss_count + p[None, :], mask=(rm[:, None] < M) & (p[None, :] < ss_count),
-                       other=0.0)
-        r = 1.0 / tl.sqrt(tl.sum(part, 1) / N + eps)
+                   PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    """h = x @ w.T, or h += x @ w.T with ADD. PDL: a programmatic dependent of the kernel that
+    wrote x (pdl.py); TRIGGER: let this kernel's own dependents launch once the K loop is done."""
     if PDL:
         gdc_wait()
+    rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + rk
-        xmask = (rm[:, None] < M) & (kk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
                     other=0.0)
-        if SILU:  # as rowscale_triton.silu_mul_rowscale: fp32, one rounding to the weight's dtype
-            gate = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + rm[:, None] * stride_xm + K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
-            gate = gate * r[:, None]
-            x = (gate / (1.0 + tl.exp(-gate)) * (up * r[:, None])).to(w.dtype)
-        else:
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
         if x.dtype == tl.float32:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
@@ -82,11 +59,7 @@ def _linear_kernel(x_ptr, w_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_hm
     at = h_ptr + rm[:, None] * stride_hm + rn[None, :]
     if ADD:
         acc += tl.load(at, mask=mask, other=0.0).to(tl.float32)
-    out = acc.to(h_ptr.dtype.element_ty)
-    tl.store(at, out, mask=mask)
-    if SS_OUT:
-        v = tl.where(mask, out.to(tl.float32), 0.0)
-        tl.store(ss_ptr + rm * ss_count + tl.program_id(0), tl.sum(v * v, 1), mask=rm < M)
+    tl.store(at, acc.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -101,25 +74,17 @@ def _check(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
                          f"strides {w.stride()}")
 
 
-def _launch(h, x, w, add: bool, config, pdl: bool, trigger: bool, k: int | None = None, ss=None,
-            ss_out: bool = False, eps: float = 0.0) -> torch.Tensor:
-    m = x.shape[0]
+def _launch(h, x, w, add: bool, config, pdl: bool, trigger: bool) -> torch.Tensor:
+    _check(h, x, w)
+    m, k = x.shape
     n = w.shape[0]
-    k = x.shape[1] if k is None else k
     bm = max(16, triton.next_power_of_2(m))
-    block_n, block_k, stages, warps = config or (SILU_CONFIGS if ss is not None and not ss_out
-                                                 else WIDE_CONFIGS if n >= WIDE_N else CONFIGS)[bm]
-    grid = triton.cdiv(n, block_n)
-    if ss_out:
-        ss = torch.empty((m, grid), dtype=torch.float32, device=h.device)
-    silu = ss is not None and not ss_out
-    _linear_kernel[(grid,)](
-        x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0), h if ss is None else ss,
-        0 if ss is None else ss.shape[1], eps,
-        BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, ADD=add, PDL=pdl, TRIGGER=trigger, SS_OUT=ss_out, SILU=silu,
-        NP=triton.next_power_of_2(ss.shape[1]) if silu else 1,
+    block_n, block_k, stages, warps = config or (WIDE_CONFIGS if n >= WIDE_N else CONFIGS)[bm]
+    _linear_kernel[(triton.cdiv(n, block_n),)](
+        x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0),
+        BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, ADD=add, PDL=pdl, TRIGGER=trigger,
         num_stages=stages, num_warps=warps, **launch_options(pdl))
-    return ss if ss_out else h
+    return h
 
 
 def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None,
@@ -128,31 +93,7 @@ def linear_add_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: tuple
     rounding to h's dtype (as ``h.addmm_(x, w.t())``). ``config``: (BLOCK_N, BLOCK_K, stages,
     warps) instead of ``CONFIGS``' (benchmarks). ``pdl``: launched as a programmatic dependent of
     the kernel ahead; ``trigger``: its own dependents may launch after its K loop (pdl.py). Returns h."""
-    _check(h, x, w)
     return _launch(h, x, w, True, config, pdl, trigger)
-
-
-def linear_add_ss_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pdl: bool = False,
-                   trigger: bool = False) -> torch.Tensor:
-    """``linear_add_``, and returns each row's partial sums of squares of the updated ``h``
-    (fp32 [M, programs], one per output column block) for ``silu_linear_add_``'s row scales."""
-    _check(h, x, w)
-    return _launch(h, x, w, True, None, pdl, trigger, ss_out=True)
-
-
-def silu_linear_add_(h: torch.Tensor, gate_up: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float,
-                     config: tuple[int, ...] | None = None, pdl: bool = False, trigger: bool = False) -> torch.Tensor:
-    """h [M, N] += (silu(r·gate) · (r·up)) @ w.T with gate_up [M, 2K] (gate | up of un-normalised
-    rows), w [N, K] row-major and r = 1 / sqrt(mean(h²) + eps) per row from ``ss``, the partial sums
-    ``linear_add_ss_`` returned for this ``h`` (before this call changes it). The SiLU·mul of
-    ``rowscale_triton.silu_mul_rowscale`` computed on the way into the GEMM: no kernel, no
-    activation in memory between them. Returns h."""
-    m, two_k = gate_up.shape
-    if two_k % 2 or ss.dim() != 2 or ss.shape[0] != m or ss.dtype != torch.float32 or not ss.is_contiguous():
-        raise ValueError(f"need gate_up [M, 2K] and ss [M, parts] fp32 contiguous, got {tuple(gate_up.shape)} / "
-                         f"{tuple(ss.shape)} {ss.dtype}")
-    _check(h, gate_up[:, : two_k // 2], w)
-    return _launch(h, gate_up, w, True, config, pdl, trigger, k=two_k // 2, ss=ss, eps=eps)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None, pdl: bool = False,
@@ -160,5 +101,4 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = No
     """x [M, K] @ w.T [N, K] row-major -> [M, N], M <= ``MAX_ROWS`` (fp32 sums, one rounding);
     ``config`` / ``pdl`` / ``trigger`` as ``linear_add_``."""
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    _check(out, x, w)
     return _launch(out, x, w, False, config, pdl, trigger)

@@ -239,29 +239,18 @@ class DecoderLayer(nn.Module):
         with r = 1 / rms(h) per row: the qkv and gate_up GEMMs read ``h`` itself, the fused decode
         kernel and the SiLU·mul kernel compute r and scale, and o_proj / down add into ``h`` in
         their GEMM (beta = 1), which replaces the residual adds."""
-        from mstar.services.engines.gemm_triton import linear_add_, linear_add_ss_, silu_linear_add_
+        from mstar.services.engines.gemm_triton import linear_add_
         from mstar.services.engines.rowscale_triton import silu_mul_rowscale
 
-        a, mlp, pdl = self.self_attn, self.mlp, ctx.pdl
+        a, mlp = self.self_attn, self.mlp
         o = a.attend(h, positions, ctx, row_rms=(h, self.input_layernorm.eps))
-        # With both projections in Triton, o_proj also leaves each row's partial sums of squares and
-        # the down projection applies SiLU·mul and the row scale to its operand: no SiLU·mul kernel.
-        import os
-        fused_act = ctx.triton_proj and ctx.triton_down and os.environ.get("MSTAR_EXP_SILU_DOWN", "1") == "1"
-        if fused_act:
-            ss = linear_add_ss_(h, o, a.o_proj.weight, pdl=pdl, trigger=pdl)
-        elif ctx.triton_proj:
-            linear_add_(h, o, a.o_proj.weight, pdl=pdl, trigger=pdl)
+        if ctx.triton_proj:
+            linear_add_(h, o, a.o_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl)
         else:
             h.addmm_(o, a.o_proj.weight.t())
-        gate_up = mlp.gate_up_proj(h)
-        eps = self.post_attention_layernorm.eps
-        if fused_act:
-            silu_linear_add_(h, gate_up, mlp.down_proj.weight, ss, eps, pdl=pdl, trigger=pdl)
-            return
-        act = silu_mul_rowscale(gate_up, h, eps, pdl=pdl)
+        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps, pdl=ctx.pdl)
         if ctx.triton_down:
-            linear_add_(h, act, mlp.down_proj.weight, pdl=pdl, trigger=pdl and ctx.triton_proj)
+            linear_add_(h, act, mlp.down_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl and ctx.triton_proj)
         else:
             h.addmm_(act, mlp.down_proj.weight.t())
 

@@ -20,13 +20,7 @@ from mstar.services.engines import EngineConfig, ForwardItem, LlamaForCausalLM  
 from mstar.services.engines.attention import HeadShape  # noqa: E402
 from mstar.services.engines.attn_triton import TritonGraphDecode  # noqa: E402
 from mstar.services.engines.batch import SeqSlice, build_step_inputs  # noqa: E402
-from mstar.services.engines.gemm_triton import (  # noqa: E402
-    MAX_ROWS,
-    linear,
-    linear_add_,
-    linear_add_ss_,
-    silu_linear_add_,
-)
+from mstar.services.engines.gemm_triton import MAX_ROWS, linear, linear_add_  # noqa: E402
 from mstar.services.engines.kernels import TORCH_OPS, rms_scale_ref  # noqa: E402
 from mstar.services.engines.layers import ForwardContext, RotaryEmbedding  # noqa: E402
 from mstar.services.engines.rowscale_triton import silu_mul_rowscale, silu_mul_rowscale_ref  # noqa: E402
@@ -147,27 +141,6 @@ def test_triton_down_projection_adds_x_w_t_into_h(m, n, k):
     assert got is h
     torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)  # the same kernel without the add
-
-
-@CPU_ONLY
-@pytest.mark.parametrize("m,hidden,inter", [(1, 48, 64), (5, 70, 300), (MAX_ROWS, 100, 520)])
-def test_o_proj_row_sums_feed_the_silu_down_projection(m, hidden, inter):
-    """o_proj (h += o @ w_o.T) leaves partial sums of squares of the new h; the down kernel turns
-    them into r = 1 / rms(h) and computes h += (silu(r·gate) · (r·up)) @ w_d.T: against
-    silu_mul_rowscale_ref and a plain GEMM in fp32 (atol 1e-4)."""
-    g = torch.Generator().manual_seed(m)
-    h, o = torch.randn(m, hidden, generator=g), torch.randn(m, 40, generator=g)
-    w_o, w_d = torch.randn(hidden, 40, generator=g) * 0.2, torch.randn(hidden, inter, generator=g) * 0.2
-    gate_up = torch.randn(m, 2 * inter, generator=g) * 3
-    want = h + o @ w_o.T
-    ss = linear_add_ss_(h, o, w_o)
-    torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ss.sum(1), (want * want).sum(1), atol=1e-3, rtol=1e-5)
-    want = want + silu_mul_rowscale_ref(gate_up, want, 1e-5) @ w_d.T
-    assert silu_linear_add_(h, gate_up, w_d, ss, 1e-5) is h
-    torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="ss \\[M, parts\\] fp32"):
-        silu_linear_add_(h, gate_up, w_d, ss.double(), 1e-5)
 
 
 @CPU_ONLY
