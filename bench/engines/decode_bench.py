@@ -245,6 +245,7 @@ def main() -> None:
     ap.add_argument("--compare-config", default="",
                     help='JSON of EngineConfig fields for another engine at --compare-batches (same run), e.g. {"graph_attention": "flashinfer"}')
     ap.add_argument("--compare-batches", default="1,16,64")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="EngineConfig.max_num_seqs (the largest graph)")
     args = ap.parse_args()
     t_begin = time.time()
     gen = torch.Generator().manual_seed(0)
@@ -269,7 +270,7 @@ def main() -> None:
     r["kv_bytes_per_token"] = kv_spec.bytes_per_token
     per_seq_4k = -(-4096 // 16) * kv_spec.bytes_per_page
     r["max_4k_seqs_in_60GiB"] = (60 * GIB) // per_seq_4k
-    cfg = EngineConfig(page_size=16, kv_cache_bytes=GIB // 8 if args.tiny else 12 * GIB, max_num_seqs=64,
+    cfg = EngineConfig(page_size=16, kv_cache_bytes=GIB // 8 if args.tiny else 12 * GIB, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=8192, attention="torch" if args.tiny else "flashinfer",
                        cuda_graphs=True, overlap=True, kernels=args.kernels, graph_attention=args.graph_attention)
     t0 = time.time()
@@ -317,6 +318,9 @@ def main() -> None:
         del eng
         gc.collect()
         torch.cuda.empty_cache()
+        # the weights as a fresh load lays them out: the engine before may have stored some row-major
+        # for its Triton GEMMs, which would slow this engine's cuBLAS ones (its graphs are gone)
+        set_weight_layout(ours, column_major=dev == "cuda")
         eng = KVCacheEngine(ours, dataclasses.replace(cfg, **change))
         graphs = eng.runner.graphs
         res = {"config_change": change,
