@@ -85,6 +85,8 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
         fused_sampler=str(kw.get("fused_sampler", "auto")),
         fused_norms=str(kw.get("fused_norms", "auto")),
         down_gemm=str(kw.get("down_gemm", "auto")),
+        proj_gemm=str(kw.get("proj_gemm", "auto")),
+        pdl=str(kw.get("pdl", "auto")),
     )
 
 

@@ -1,12 +1,15 @@
-"""The MLP's down projection with the residual add, for decode steps without norm kernels
-(``ForwardContext.fused_norms``): ``h += x @ w.T`` for a few rows, as one Triton kernel.
+"""Skinny GEMMs for decode steps without norm kernels (``ForwardContext.fused_norms``), as Triton
+kernels: the down projection and o_proj with their residual add, ``h += x @ w.T`` (``linear_add_``),
+and qkv, ``x @ w.T`` (``linear``), for a few rows.
 
-cuBLAS runs this shape (a handful of rows, K = 8192, N = 3072 for Llama-3.2-3B) as a split-K GEMM
+cuBLAS runs the down shape (a handful of rows, K = 8192, N = 3072 for Llama-3.2-3B) as a split-K GEMM
 plus a separate reduction kernel. Here each program owns BLOCK_N output columns for all rows,
 streams its rows of ``w`` (row-major [N, K]: contiguous BLOCK_K runs) through a software
 pipeline, accumulates in fp32 and adds into ``h`` in its epilogue: one launch, no partial sums in
 memory. On an H100 at 16 rows (bench/results/engines/2026-11-25c/step_trace-tdown.json) it takes
-21.3 µs a layer against cuBLAS' 19.9 + 2.1 µs for the reduction + 0.7 µs between the two. On a CPU
+21.3 µs a layer against cuBLAS' 19.9 + 2.1 µs for the reduction + 0.7 µs between the two. For qkv
+and o_proj the kernel alone is no faster than cuBLAS; what it adds is programmatic dependent launch
+(pdl.py): the next kernel may launch once the K loop is done, which cuBLAS never allows. On a CPU
 it runs under ``TRITON_INTERPRET=1`` (the tests).
 """
 

@@ -9,10 +9,15 @@ kernel is short and latency-bound, so its launch and first dependent loads are a
 PDL overlaps them with the tail of the kernel before.
 
 Needs an sm_90+ GPU and a Triton with grid dependency control; CUDA-graph capture keeps the
-programmatic edges. In the fused-norm decode graphs (``DecoderLayer.forward_fused_norms``) the
-attention kernel waits on the cuBLAS qkv GEMM, the SiLU·mul kernel on the gate/up GEMM, and the
-down projection on the SiLU·mul kernel; the cuBLAS launches stay ordinary (they wait for the
-kernel ahead to finish), so nothing runs ahead by more than one launch.
+programmatic edges. In the fused-norm decode graphs (``DecoderLayer.forward_fused_norms``), up to
+``gemm_triton.MAX_ROWS`` rows, a layer runs qkv (Triton) -> attention -> o_proj (Triton) -> gate/up
+(cuBLAS) -> SiLU·mul -> down (Triton). Each Triton kernel is a programmatic dependent of the one
+ahead and lets its own dependents launch once its main loop is done, always after its own wait, so
+a kernel starting early has every kernel two launches back complete. The cuBLAS GEMM is an
+ordinary launch (it starts after the kernel ahead ends) and never triggers early, so the SiLU·mul
+kernel after it gains only its launch. On an H100 a dependent launched behind a cuBLAS kernel
+gained nothing measurable; behind the Triton GEMMs, with them, 1-4% of a step at 1-16 rows
+(bench/results/engines/2026-11-25f/).
 """
 
 from __future__ import annotations
