@@ -1,5 +1,6 @@
 """Plot decode_bench.json: step time per batch size, ours vs transformers static vs roofline,
-and optionally an earlier run of ours (its own run: compare its ratios, not its absolute times).
+the same run's engines with a changed EngineConfig (``--compare-config``), and optionally an
+earlier run of ours (its own run: compare its ratios, not its absolute times).
 
     python bench/engines/plot_decode.py bench/results/engines/decode_bench.json bench/results/engines/decode.png \
         [bench/results/engines/run2/decode_bench.json]
@@ -30,6 +31,11 @@ def main(src: str, dst: str, before: str | None = None) -> None:
     a.plot(nov_b, nov, "s:", label="ours, not pipelined")
     a.plot(hf_b, hf, "^-", label='transformers generate, cache="static"')
     a.plot(batches, floor, "k--", label="roofline floor (weights + KV / HBM bw)")
+    for res in r.values():  # same-run engines with one EngineConfig change (--compare-config)
+        if isinstance(res, dict) and "config_change" in res:
+            cb = sorted(int(k) for k, v in res.items() if k.isdigit() and "decode_step_ms_median" in v)
+            a.plot(cb, [res[str(x)]["decode_step_ms_median"] for x in cb], "d:",
+                   label="same run, " + ", ".join(f"{k}={v}" for k, v in res["config_change"].items()))
     if before:
         old = json.load(open(before))["ours"]
         ob = sorted(int(b) for b in old)
