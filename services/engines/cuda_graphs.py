@@ -43,6 +43,10 @@ FUSED_NORMS = ("auto", "on", "off")
 #: graphs that skip the norm kernels, for batches up to its ``MAX_ROWS``; 'triton' (an error where
 #: the graphs keep their norm kernels); 'cublas' (addmm).
 DOWN_GEMM = ("auto", "triton", "cublas")
+#: The same choices for those graphs' qkv and o_proj + residual add (``EngineConfig.proj_gemm``,
+#: ``ForwardContext.triton_proj``; ``gemm_triton.linear`` / ``linear_add_``, weights row-major).
+#: Alone the Triton kernels are no faster than cuBLAS; they let the next kernel launch early (pdl.py).
+PROJ_GEMM = DOWN_GEMM
 
 
 def triton_unavailable_reason() -> str | None:
@@ -77,8 +81,8 @@ class DecodeGraphs:
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
         default). ``fused_norms``: one of ``FUSED_NORMS``; ``down_gemm``: one of ``DOWN_GEMM`` (with the
-        Triton kernel the model's down weights are stored row-major, the layout it streams); ``pdl``:
-        one of ``PDL_MODES``."""
+        Triton kernel the model's down weights are stored row-major, the layout it streams);
+        ``proj_gemm``: one of ``PROJ_GEMM`` (likewise for qkv / o_proj); ``pdl``: one of ``PDL_MODES``."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -112,8 +116,8 @@ class DecodeGraphs:
 
             set_weight_layout(model, column_major=False, only="down_proj")
             self._down_rows = MAX_ROWS
-        if proj_gemm not in DOWN_GEMM:
-            raise ValueError(f"proj_gemm '{proj_gemm}' is not one of {', '.join(DOWN_GEMM)}")
+        if proj_gemm not in PROJ_GEMM:
+            raise ValueError(f"proj_gemm '{proj_gemm}' is not one of {', '.join(PROJ_GEMM)}")
         if proj_gemm == "triton" and not self.fused_norms:
             raise RuntimeError("proj_gemm='triton': the graphs keep their RMSNorm kernels")
         self._proj_rows = 0

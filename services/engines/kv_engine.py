@@ -30,6 +30,7 @@ from mstar.services.engines.cuda_graphs import (
     DOWN_GEMM,
     FUSED_NORMS,
     GRAPH_ATTENTION,
+    PROJ_GEMM,
     DecodeGraphs,
     graphs_unavailable_reason,
 )
@@ -106,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.fused_norms: '{self.fused_norms}' is not one of {', '.join(FUSED_NORMS)}")
         if self.down_gemm not in DOWN_GEMM:
             raise ValueError(f"EngineConfig.down_gemm: '{self.down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
+        if self.proj_gemm not in PROJ_GEMM:
+            raise ValueError(f"EngineConfig.proj_gemm: '{self.proj_gemm}' is not one of {', '.join(PROJ_GEMM)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"EngineConfig.pdl: '{self.pdl}' is not one of {', '.join(PDL_MODES)}")
         if self.fused_sampler not in FUSED_SAMPLER:

@@ -163,6 +163,8 @@ def test_fused_norms_are_refused_where_they_do_not_apply(tmp_path):
         EngineConfig(down_gemm="cutlass")
     with pytest.raises(ValueError, match="EngineConfig.pdl: 'yes' is not one of auto, on, off"):
         EngineConfig(pdl="yes")
+    with pytest.raises(ValueError, match="EngineConfig.proj_gemm: 'cutlass' is not one of auto, triton, cublas"):
+        EngineConfig(proj_gemm="cutlass")
     torch.manual_seed(0)
     tiny_hf_llama(attention_bias=True).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)

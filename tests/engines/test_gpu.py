@@ -210,5 +210,7 @@ def test_fused_norms_on_is_refused_where_the_graphs_cannot_apply_them(tmp_path):
         KVCacheEngine(model, EngineConfig(**base, graph_attention="flashinfer", fused_norms="on"))
     with pytest.raises(RuntimeError, match="down_gemm='triton'"):
         KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off", down_gemm="triton"))
+    with pytest.raises(RuntimeError, match="proj_gemm='triton': the graphs keep their RMSNorm kernels"):
+        KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off", proj_gemm="triton"))
     with pytest.raises(RuntimeError, match="pdl='on': the graphs keep their RMSNorm kernels"):
         KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off", pdl="on"))
