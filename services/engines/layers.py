@@ -43,7 +43,7 @@ class ForwardContext:
     # with fused_norms: the down projection and its residual add as one Triton kernel
     # (gemm_triton.linear_add_; the down weights stored row-major) instead of cuBLAS addmm
     triton_down: bool = False
-    # with fused_norms: the SiLU·mul and Triton down kernels launch as programmatic dependents
+    # with fused_norms: the Triton GEMMs and the SiLU·mul kernel launch as programmatic dependents
     # (pdl.py; the graphs set the attention backend's own switch)
     pdl: bool = False
     # with fused_norms: qkv and o_proj (+ residual add) as Triton kernels (gemm_triton.linear /
