@@ -15,6 +15,9 @@ class Settings:
     connect_timeout_s: float
     #: node groups' sys.setswitchinterval: how long a thread may hold the GIL while another waits
     gil_switch_interval_s: float
+    #: node groups without engines: the longest back-to-back rounds run before yielding to the
+    #: event loop (runtime.ROUND_BUDGET_S); 0 yields after every round
+    round_budget_s: float
 
 
 @lru_cache(maxsize=1)
@@ -23,15 +26,21 @@ def settings() -> Settings:
         shm_prefix=os.environ.get("MSTAR_SHM_PREFIX", f"mstar-{os.getpid()}-"),
         connect_timeout_s=float(os.environ.get("MSTAR_CONNECT_TIMEOUT_S", "5")),
         gil_switch_interval_s=_positive("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0005"),
+        round_budget_s=_seconds("MSTAR_ROUND_BUDGET_S", "0.0005", allow_zero=True),
     )
 
 
 def _positive(name: str, default: str) -> float:
+    return _seconds(name, default, allow_zero=False)
+
+
+def _seconds(name: str, default: str, allow_zero: bool) -> float:
     raw = os.environ.get(name, default)
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"environment variable {name} must be a positive number of seconds, got {raw!r}")
+    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+        what = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+        raise ValueError(f"environment variable {name} must be {what}, got {raw!r}")
     return value

@@ -213,3 +213,31 @@ def test_a_request_id_can_be_reused_once_the_request_ended(toy_config):
             assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
             slow.cancel()
     run(go())
+
+
+def test_back_to_back_rounds_share_messages_within_the_round_budget(toy_config, monkeypatch):
+    """The decoder's loop runs its iterations in back-to-back rounds. Yielding after every round
+    (a budget of 0) lets the link writer send as the loop goes (23-44 messages for the 92 frames
+    here); with a budget longer than the loop the rounds do not yield, and their frames leave
+    together (1). Either way the output is the same."""
+    from mstar import metrics
+    from mstar.services.node_group import runtime
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2  # 90 loop iterations
+
+    async def go():
+        sent = {}
+        async with inprocess_mesh(toy_config()) as mesh:
+            await collect(mesh.stub, request("warm"))
+            for budget_s in (0.0, 30.0):
+                monkeypatch.setattr(runtime, "ROUND_BUDGET_S", budget_s)
+                before = list(metrics.link_counts("decoder", "conductor"))
+                out, final = await collect(mesh.stub, request(prompt))
+                check_toy(out, final, prompt)
+                after = metrics.link_counts("decoder", "conductor")
+                sent[budget_s] = [a - b for a, b in zip(after, before, strict=True)]  # [messages, frames]
+        return sent
+
+    sent = run(go())
+    assert sent[0.0][1] >= 90 and sent[30.0][1] >= 90, sent  # a text frame per iteration, and the walk's end
+    assert sent[30.0][0] <= 3 and sent[0.0][0] >= 10, sent

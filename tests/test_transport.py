@@ -66,7 +66,7 @@ def test_shm_roundtrip_pools_and_frees():
     assert all(n.startswith(settings().shm_prefix) for n in names)
 
 
-def test_gil_switch_interval_setting_is_checked(monkeypatch):
+def test_timing_settings_are_checked(monkeypatch):
     settings.cache_clear()
     try:
         monkeypatch.setenv("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0001")
@@ -74,6 +74,15 @@ def test_gil_switch_interval_setting_is_checked(monkeypatch):
         settings.cache_clear()
         monkeypatch.setenv("MSTAR_GIL_SWITCH_INTERVAL_S", "fast")
         with pytest.raises(ValueError, match="MSTAR_GIL_SWITCH_INTERVAL_S must be a positive number of seconds, got 'fast'"):
+            settings()
+        monkeypatch.delenv("MSTAR_GIL_SWITCH_INTERVAL_S")
+        for raw, want in (("0", 0.0), ("0.002", 0.002)):  # 0: yield after every round
+            settings.cache_clear()
+            monkeypatch.setenv("MSTAR_ROUND_BUDGET_S", raw)
+            assert settings().round_budget_s == want
+        settings.cache_clear()
+        monkeypatch.setenv("MSTAR_ROUND_BUDGET_S", "-1")
+        with pytest.raises(ValueError, match="MSTAR_ROUND_BUDGET_S must be a number of seconds >= 0, got '-1'"):
             settings()
     finally:
         monkeypatch.undo()
