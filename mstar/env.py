@@ -26,7 +26,7 @@ def settings() -> Settings:
         shm_prefix=os.environ.get("MSTAR_SHM_PREFIX", f"mstar-{os.getpid()}-"),
         connect_timeout_s=float(os.environ.get("MSTAR_CONNECT_TIMEOUT_S", "5")),
         gil_switch_interval_s=_positive("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0005"),
-        round_budget_s=_seconds("MSTAR_ROUND_BUDGET_S", "0.0005", allow_zero=True),
+        round_budget_s=_seconds("MSTAR_ROUND_BUDGET_S", "0", allow_zero=True),
     )
 
 

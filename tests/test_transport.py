@@ -76,7 +76,10 @@ def test_timing_settings_are_checked(monkeypatch):
         with pytest.raises(ValueError, match="MSTAR_GIL_SWITCH_INTERVAL_S must be a positive number of seconds, got 'fast'"):
             settings()
         monkeypatch.delenv("MSTAR_GIL_SWITCH_INTERVAL_S")
-        for raw, want in (("0", 0.0), ("0.002", 0.002)):  # 0: yield after every round
+        settings.cache_clear()
+        monkeypatch.delenv("MSTAR_ROUND_BUDGET_S", raising=False)
+        assert settings().round_budget_s == 0.0  # off unless set: yield after every round
+        for raw, want in (("0", 0.0), ("0.002", 0.002)):
             settings.cache_clear()
             monkeypatch.setenv("MSTAR_ROUND_BUDGET_S", raw)
             assert settings().round_budget_s == want

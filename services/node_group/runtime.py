@@ -32,15 +32,16 @@ from mstar.v1 import node_group_pb2 as pb
 log = logging.getLogger(__name__)
 K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrapper's attribute lookup costs ~3 us
 MAX_TOMBSTONES = 100_000
-#: In a group without engines, back-to-back rounds (a loop iterating, many requests ready) yield to
-#: the event loop at most every round budget (MSTAR_ROUND_BUDGET_S, default 0.5 ms; this, where not
-#: None, overrides it) instead of after each round. The frames those rounds produce then leave as
+#: A group without engines may run back-to-back rounds (a loop iterating, many requests ready) for
+#: up to a round budget (MSTAR_ROUND_BUDGET_S; this, where not None, overrides it) before it yields
+#: to the event loop, instead of after each round. The frames those rounds produce then leave as
 #: one message per link, not one per round (each costs ~100 µs of CPU on either side); arriving
 #: frames and the link writers wait at most that long. The first round after an idle wait yields at
-#: once. On the 2-core VM (bench/mesh_cpu.py, interleaved runs) one stream's events/s went
-#: 4.4-4.7k -> 7.3-7.4k and 64 clients' requests/s 337-378 -> 371-441. Groups with engines yield
-#: every round: an engine step that finishes is seen only when the loop runs, and its next step
-#: waits for that.
+#: once. Off by default (0): on the 2-core VM (bench/results/mesh-round-budget/, interleaved runs)
+#: 0.5 ms raised one stream's events/s (gRPC +23-54%, gateway +11-62%) but lowered eight streams'
+#: through the gateway by ~25%: frames held in one stage leave the next one idle. Groups with
+#: engines always yield every round: a finished engine step is seen only when the loop runs, and
+#: its next step waits for that.
 ROUND_BUDGET_S: float | None = None
 
 
