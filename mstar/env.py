@@ -16,7 +16,7 @@ class Settings:
     #: node groups' sys.setswitchinterval: how long a thread may hold the GIL while another waits
     gil_switch_interval_s: float
     #: node groups without engines: the longest back-to-back rounds run before yielding to the
-    #: event loop (runtime.ROUND_BUDGET_S); 0 yields after every round
+    #: event loop (NodeGroupRuntime.round_budget_s); 0 yields after every round
     round_budget_s: float
 
 

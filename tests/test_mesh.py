@@ -215,13 +215,12 @@ def test_a_request_id_can_be_reused_once_the_request_ended(toy_config):
     run(go())
 
 
-def test_back_to_back_rounds_share_messages_within_the_round_budget(toy_config, monkeypatch):
+def test_back_to_back_rounds_share_messages_within_the_round_budget(toy_config):
     """The decoder's loop runs its iterations in back-to-back rounds. Yielding after every round
     (a budget of 0) lets the link writer send as the loop goes (23-44 messages for the 92 frames
     here); with a budget longer than the loop the rounds do not yield, and their frames leave
     together (1). Either way the output is the same."""
     from mstar import metrics
-    from mstar.services.node_group import runtime
 
     prompt = "The quick brown fox jumps over the lazy dog. " * 2  # 90 loop iterations
 
@@ -230,7 +229,7 @@ def test_back_to_back_rounds_share_messages_within_the_round_budget(toy_config, 
         async with inprocess_mesh(toy_config()) as mesh:
             await collect(mesh.stub, request("warm"))
             for budget_s in (0.0, 30.0):
-                monkeypatch.setattr(runtime, "ROUND_BUDGET_S", budget_s)
+                mesh.runtime("decoder").round_budget_s = budget_s
                 before = list(metrics.link_counts("decoder", "conductor"))
                 out, final = await collect(mesh.stub, request(prompt))
                 check_toy(out, final, prompt)

@@ -104,30 +104,9 @@ class DecodeGraphs:
             if why_not:
                 log.info("decode graphs keep their RMSNorm kernels: %s", why_not)
         self.fused_norms = fused_norms != "off" and why_not is None
-        if down_gemm not in DOWN_GEMM:
-            raise ValueError(f"down_gemm '{down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
-        if down_gemm == "triton" and not self.fused_norms:
-            raise RuntimeError("down_gemm='triton': the graphs keep their RMSNorm kernels (fused_norms is off or "
-                               "unavailable), and the Triton down projection adds into the fused-norm residual stream")
-        self._down_rows = 0  # graphs of up to this many rows run the Triton down projection
-        if down_gemm != "cublas" and self.fused_norms:
-            from mstar.services.engines.gemm_triton import MAX_ROWS
-            from mstar.services.engines.layers import set_weight_layout
-
-            set_weight_layout(model, column_major=False, only="down_proj")
-            self._down_rows = MAX_ROWS
-        if proj_gemm not in PROJ_GEMM:
-            raise ValueError(f"proj_gemm '{proj_gemm}' is not one of {', '.join(PROJ_GEMM)}")
-        if proj_gemm == "triton" and not self.fused_norms:
-            raise RuntimeError("proj_gemm='triton': the graphs keep their RMSNorm kernels")
-        self._proj_rows = 0
-        if proj_gemm != "cublas" and self.fused_norms:
-            from mstar.services.engines.gemm_triton import MAX_ROWS
-            from mstar.services.engines.layers import set_weight_layout
-
-            set_weight_layout(model, column_major=False, only="qkv_proj")
-            set_weight_layout(model, column_major=False, only="o_proj")
-            self._proj_rows = MAX_ROWS
+        # graphs of up to this many rows run the Triton down projection / qkv and o_proj
+        self._down_rows = self._triton_gemm_rows(model, "down_gemm", down_gemm, ("down_proj",))
+        self._proj_rows = self._triton_gemm_rows(model, "proj_gemm", proj_gemm, ("qkv_proj", "o_proj"))
         if pdl not in PDL_MODES:
             raise ValueError(f"pdl '{pdl}' is not one of {', '.join(PDL_MODES)}")
         no_pdl = None
@@ -170,6 +149,24 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s, fused norms %s, Triton down "
                  "projection %s, programmatic dependent launches %s", self.batch_sizes, copies, self.attention,
                  self.fused_norms, self.triton_down, self.pdl)
+
+    def _triton_gemm_rows(self, model, option: str, choice: str, projections: tuple[str, ...]) -> int:
+        """Rows up to which the fused-norm graphs run ``projections`` as Triton GEMMs (0: cuBLAS)
+        for ``option`` = ``choice`` (one of ``DOWN_GEMM``); stores their weights row-major, the
+        layout the kernels stream."""
+        if choice not in DOWN_GEMM:
+            raise ValueError(f"{option} '{choice}' is not one of {', '.join(DOWN_GEMM)}")
+        if choice == "triton" and not self.fused_norms:
+            raise RuntimeError(f"{option}='triton': the graphs keep their RMSNorm kernels (fused_norms is off or "
+                               "unavailable), and the Triton projections add into the fused-norm residual stream")
+        if choice == "cublas" or not self.fused_norms:
+            return 0
+        from mstar.services.engines.gemm_triton import MAX_ROWS
+        from mstar.services.engines.layers import set_weight_layout
+
+        for name in projections:
+            set_weight_layout(model, column_major=False, only=name)
+        return MAX_ROWS
 
     @torch.inference_mode()
     def _capture(self, bs: int, backend, pool) -> _Graph:

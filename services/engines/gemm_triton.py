@@ -69,7 +69,7 @@ def _check(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_ROWS:
-        raise ValueError(f"linear_add_ takes at most {MAX_ROWS} rows, got {m}")
+        raise ValueError(f"the Triton GEMM takes at most {MAX_ROWS} rows, got {m}")
     if (w.shape[1] != k or h.shape != (m, n) or w.stride(1) != 1 or x.stride(1) != 1 or h.stride(1) != 1
             or not h.dtype == x.dtype == w.dtype):
         raise ValueError(f"need h [M, N] += x [M, K] @ w [N, K].T, one dtype, unit inner strides; got h "

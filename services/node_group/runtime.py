@@ -32,17 +32,6 @@ from mstar.v1 import node_group_pb2 as pb
 log = logging.getLogger(__name__)
 K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrapper's attribute lookup costs ~3 us
 MAX_TOMBSTONES = 100_000
-#: A group without engines may run back-to-back rounds (a loop iterating, many requests ready) for
-#: up to a round budget (MSTAR_ROUND_BUDGET_S; this, where not None, overrides it) before it yields
-#: to the event loop, instead of after each round. The frames those rounds produce then leave as
-#: one message per link, not one per round (each costs ~100 µs of CPU on either side); arriving
-#: frames and the link writers wait at most that long. The first round after an idle wait yields at
-#: once. Off by default (0): on the 2-core VM (bench/results/mesh-round-budget/, interleaved runs)
-#: 0.5 ms raised one stream's events/s (gRPC +23-54%, gateway +11-62%) but lowered eight streams'
-#: through the gateway by ~25%: frames held in one stage leave the next one idle. Groups with
-#: engines always yield every round: a finished engine step is seen only when the loop runs, and
-#: its next step waits for that.
-ROUND_BUDGET_S: float | None = None
 
 
 def create_submodules(model: Model, placement: Placement, group: str, device: str, cache_dir: str | None,
@@ -103,6 +92,17 @@ class NodeGroupRuntime:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{group}-forward")
         self.engines = {n: s for n, s in self.submodules.items() if isinstance(s, EngineNode)}
+        #: A group without engines may run back-to-back rounds (a loop iterating, many requests
+        #: ready) for up to this long (MSTAR_ROUND_BUDGET_S) before it yields to the event loop,
+        #: instead of after each round. The frames those rounds produce then leave as one message
+        #: per link, not one per round (each costs ~100 µs of CPU on either side); arriving frames
+        #: and the link writers wait at most that long. The first round after an idle wait yields
+        #: at once. Off by default (0): on the 2-core VM (bench/results/mesh-round-budget/,
+        #: interleaved runs) 0.5 ms raised one stream's events/s (gRPC +23-54%, gateway +11-62%)
+        #: but lowered eight streams' through the gateway by ~25%: frames held in one stage leave
+        #: the next one idle. Groups with engines always yield every round (0 here): a finished
+        #: engine step is seen only when the loop runs, and its next step waits for that.
+        self.round_budget_s = 0.0 if self.engines else settings().round_budget_s
         # engines are only touched on their worker thread: submits and releases wait in
         # these lists until the next step is launched
         self._inbox: dict[str, list[NodeCall]] = {n: [] for n in self.engines}
@@ -243,7 +243,7 @@ class NodeGroupRuntime:
     async def run(self) -> None:
         """schedule -> execute -> update, forever, in rounds: one batch of every ready
         (walk, node), then arriving frames get in (after each round, or in a group without
-        engines once ``ROUND_BUDGET_S`` has passed). Frames produced between two yields leave
+        engines once ``round_budget_s`` has passed). Frames produced between two yields leave
         together (one message per link), not one message per node. Stateless nodes: one batch at a
         time. Engine nodes: ready calls go to the engine's inbox; each engine steps on its
         own worker thread, back to back, while this loop routes the previous step's outputs."""
@@ -283,8 +283,7 @@ class NodeGroupRuntime:
                     if not self._engines_ready():
                         await self._wake.wait()
                     continue
-            budget = settings().round_budget_s if ROUND_BUDGET_S is None else ROUND_BUDGET_S
-            if self.engines or clock() - yielded >= budget:
+            if clock() - yielded >= self.round_budget_s:
                 await asyncio.sleep(0)  # let arriving frames in between rounds
                 yielded = clock()
 
