@@ -86,7 +86,6 @@ def engine_config(ctx: NodeContext) -> EngineConfig:
         fused_norms=str(kw.get("fused_norms", "auto")),
         down_gemm=str(kw.get("down_gemm", "auto")),
         proj_gemm=str(kw.get("proj_gemm", "auto")),
-        gate_up_gemm=str(kw.get("gate_up_gemm", "auto")),
         pdl=str(kw.get("pdl", "auto")),
     )
 

@@ -47,12 +47,6 @@ DOWN_GEMM = ("auto", "triton", "cublas")
 #: ``ForwardContext.triton_proj``; ``gemm_triton.linear`` / ``linear_add_``, weights row-major).
 #: Alone the Triton kernels are no faster than cuBLAS; they let the next kernel launch early (pdl.py).
 PROJ_GEMM = DOWN_GEMM
-#: Those graphs' gate/up GEMM (``EngineConfig.gate_up_gemm``, ``ForwardContext.gate_up``): 'triton'
-#: (``gemm_triton.linear``, then the SiLU·mul kernel), 'fused' (``gemm_triton.gate_up_silu``: SiLU·mul
-#: in the GEMM's epilogue), 'cublas'; 'auto' is ``GATE_UP_AUTO``. The Triton ones read the weight
-#: row-major and, with PDL, let the kernels either side of them launch early.
-GATE_UP_GEMM = ("auto", "triton", "fused", "cublas")
-GATE_UP_AUTO = "cublas"
 
 
 def triton_unavailable_reason() -> str | None:
@@ -82,15 +76,13 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  copies: int = 2, ops: Ops = TORCH_OPS, attention: str = "auto", min_split_tokens: int | None = None,
-                 fused_norms: str = "auto", down_gemm: str = "auto", pdl: str = "auto", proj_gemm: str = "auto",
-                 gate_up_gemm: str = "auto"):
+                 fused_norms: str = "auto", down_gemm: str = "auto", pdl: str = "auto", proj_gemm: str = "auto"):
         """``attention``: decode attention inside the graphs: 'flashinfer', 'triton' (the fused
         kernel) or 'auto' (Triton when it imports, else FlashInfer). ``min_split_tokens``: the
         fused kernel's per-step split rule (``TritonGraphDecode.min_split_tokens``; None: its
         default). ``fused_norms``: one of ``FUSED_NORMS``; ``down_gemm``: one of ``DOWN_GEMM`` (with the
         Triton kernel the model's down weights are stored row-major, the layout it streams);
-        ``proj_gemm``: one of ``PROJ_GEMM`` (likewise for qkv / o_proj); ``gate_up_gemm``: one of
-        ``GATE_UP_GEMM``; ``pdl``: one of ``PDL_MODES``."""
+        ``proj_gemm``: one of ``PROJ_GEMM`` (likewise for qkv / o_proj); ``pdl``: one of ``PDL_MODES``."""
         from mstar.services.engines.attn_flashinfer import WORKSPACE_BYTES, FlashInferGraphDecode
 
         if attention not in GRAPH_ATTENTION:
@@ -112,12 +104,9 @@ class DecodeGraphs:
             if why_not:
                 log.info("decode graphs keep their RMSNorm kernels: %s", why_not)
         self.fused_norms = fused_norms != "off" and why_not is None
-        # graphs of up to this many rows run the Triton down projection / qkv and o_proj / gate/up
-        self._down_rows = self._triton_gemm_rows(model, "down_gemm", down_gemm, DOWN_GEMM, ("down_proj",))
-        self._proj_rows = self._triton_gemm_rows(model, "proj_gemm", proj_gemm, PROJ_GEMM, ("qkv_proj", "o_proj"))
-        self.gate_up = GATE_UP_AUTO if gate_up_gemm == "auto" else gate_up_gemm
-        self._gate_up_rows = self._triton_gemm_rows(model, "gate_up_gemm", gate_up_gemm, GATE_UP_GEMM, ("gate_up_proj",),
-                                                    cublas=self.gate_up == "cublas")
+        # graphs of up to this many rows run the Triton down projection / qkv and o_proj
+        self._down_rows = self._triton_gemm_rows(model, "down_gemm", down_gemm, ("down_proj",))
+        self._proj_rows = self._triton_gemm_rows(model, "proj_gemm", proj_gemm, ("qkv_proj", "o_proj"))
         if pdl not in PDL_MODES:
             raise ValueError(f"pdl '{pdl}' is not one of {', '.join(PDL_MODES)}")
         no_pdl = None
@@ -158,22 +147,19 @@ class DecodeGraphs:
                 self._graphs[(bs, copy)] = g
         self.attention = {bs: self._graphs[(bs, 0)].backend.name for bs in self.batch_sizes}
         log.info("captured decode CUDA graphs for batch sizes %s (x%d), attention %s, fused norms %s, Triton down "
-                 "projection %s, gate/up %s, programmatic dependent launches %s", self.batch_sizes, copies,
-                 self.attention, self.fused_norms, self.triton_down, self.gate_up if self._gate_up_rows else "cublas",
-                 self.pdl)
+                 "projection %s, programmatic dependent launches %s", self.batch_sizes, copies, self.attention,
+                 self.fused_norms, self.triton_down, self.pdl)
 
-    def _triton_gemm_rows(self, model, option: str, choice: str, choices: tuple[str, ...],
-                          projections: tuple[str, ...], cublas: bool | None = None) -> int:
+    def _triton_gemm_rows(self, model, option: str, choice: str, projections: tuple[str, ...]) -> int:
         """Rows up to which the fused-norm graphs run ``projections`` as Triton GEMMs (0: cuBLAS)
-        for ``option`` = ``choice`` (one of ``choices``: 'auto', 'cublas' or a Triton kernel;
-        ``cublas``: whether the choice means cuBLAS, default ``choice == 'cublas'``); stores their
-        weights row-major, the layout the kernels stream."""
-        if choice not in choices:
-            raise ValueError(f"{option} '{choice}' is not one of {', '.join(choices)}")
-        if choice not in ("auto", "cublas") and not self.fused_norms:
-            raise RuntimeError(f"{option}='{choice}': the graphs keep their RMSNorm kernels (fused_norms is off or "
+        for ``option`` = ``choice`` (one of ``DOWN_GEMM``); stores their weights row-major, the
+        layout the kernels stream."""
+        if choice not in DOWN_GEMM:
+            raise ValueError(f"{option} '{choice}' is not one of {', '.join(DOWN_GEMM)}")
+        if choice == "triton" and not self.fused_norms:
+            raise RuntimeError(f"{option}='triton': the graphs keep their RMSNorm kernels (fused_norms is off or "
                                "unavailable), and the Triton projections add into the fused-norm residual stream")
-        if (choice == "cublas" if cublas is None else cublas) or not self.fused_norms:
+        if choice == "cublas" or not self.fused_norms:
             return 0
         from mstar.services.engines.gemm_triton import MAX_ROWS
         from mstar.services.engines.layers import set_weight_layout
@@ -190,8 +176,7 @@ class DecodeGraphs:
         slots = torch.zeros(bs, dtype=torch.long, device=dev)
         backend.plan(build_step_inputs(self.cache, [], pad_to=bs).attn)
         ctx = ForwardContext(backend, self.cache.kv, slots, self.ops, fused_norms=self.fused_norms,
-                             triton_down=bs <= self._down_rows, pdl=self.pdl, triton_proj=bs <= self._proj_rows,
-                             gate_up=self.gate_up if bs <= self._gate_up_rows else "cublas")
+                             triton_down=bs <= self._down_rows, pdl=self.pdl, triton_proj=bs <= self._proj_rows)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -1,7 +1,6 @@
 """Skinny GEMMs for decode steps without norm kernels (``ForwardContext.fused_norms``), as Triton
 kernels: the down projection and o_proj with their residual add, ``h += x @ w.T`` (``linear_add_``),
-qkv and gate/up, ``x @ w.T`` (``linear``), and gate/up with SiLU·mul and the row's RMSNorm scale in
-its epilogue (``gate_up_silu``), for a few rows.
+and qkv, ``x @ w.T`` (``linear``), for a few rows.
 
 cuBLAS runs the down shape (a handful of rows, K = 8192, N = 3072 for Llama-3.2-3B) as a split-K GEMM
 plus a separate reduction kernel. Here each program owns BLOCK_N output columns for all rows,
@@ -33,8 +32,6 @@ CONFIGS = {16: (32, 256, 6, 4), 32: (32, 256, 6, 4)}
 #: (bench/results/engines/2026-11-25e/packed_gemm.json, row-major).
 WIDE_N = 4096
 WIDE_CONFIGS = {16: (64, 256, 4, 4), 32: (64, 256, 4, 4)}
-#: gate_up_silu's, the best of the sweep in bench/results/engines/2026-11-25d/gate_up_gemm.json.
-GATE_UP_CONFIGS = {16: (64, 128, 3, 4), 32: (64, 128, 3, 4)}
 
 
 @triton.jit
@@ -108,65 +105,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = No
     ``config`` / ``pdl`` / ``trigger`` as ``linear_add_``."""
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     return _launch(out, x, w, False, config, pdl, trigger)
-
-
-@triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, INTER, K, stride_xm, stride_wn, stride_om, eps,
-                         BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr, TRIGGER: tl.constexpr):
-    """Each program owns BLOCK_N columns of gate and the same columns of up, and sums each row's
-    squares from the x tiles its K loop loads anyway. PDL / TRIGGER as ``_linear_kernel``'s."""
-    if PDL:
-        gdc_wait()
-    rm = tl.arange(0, BM)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    gate = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([BM], dtype=tl.float32)
-    nmask = rn[:, None] < INTER
-    for k in range(0, K, BLOCK_K):
-        kk = k + rk
-        kmask = kk[None, :] < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & kmask, other=0.0)
-        wg = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=nmask & kmask, other=0.0)
-        wu = tl.load(w_ptr + (rn[:, None] + INTER) * stride_wn + kk[None, :], mask=nmask & kmask, other=0.0)
-        xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, 1)
-        if x.dtype == tl.float32:
-            gate += tl.dot(x, tl.trans(wg), input_precision="ieee")
-            up += tl.dot(x, tl.trans(wu), input_precision="ieee")
-        else:
-            gate += tl.dot(x, tl.trans(wg))
-            up += tl.dot(x, tl.trans(wu))
-    if TRIGGER:
-        gdc_launch_dependents()  # the down projection waits for this kernel's end before reading out
-    r = 1.0 / tl.sqrt(squares / K + eps)
-    g = gate * r[:, None]
-    act = g / (1.0 + tl.exp(-g)) * (up * r[:, None])
-    mask = (rm[:, None] < M) & (rn[None, :] < INTER)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], act.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gate_up_silu(x: torch.Tensor, w: torch.Tensor, eps: float, config: tuple[int, ...] | None = None,
-                 pdl: bool = False, trigger: bool = False) -> torch.Tensor:
-    """silu(r · x @ w_gate.T) · (r · x @ w_up.T) [M, I] with r = 1 / sqrt(mean(x²) + eps) per row:
-    x [M, K] un-normalised rows (the RMSNorm weight folded into ``w``), w [2I, K] row-major
-    (gate rows, then up rows), M <= ``MAX_ROWS``. Dot products in fp32 (not rounded before the
-    activation), one rounding to x's dtype. ``config`` / ``pdl`` / ``trigger`` as ``linear_add_``'s."""
-    m, k = x.shape
-    two_i = w.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"gate_up_silu takes at most {MAX_ROWS} rows, got {m}")
-    if w.shape[1] != k or two_i % 2 or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype != w.dtype:
-        raise ValueError(f"need x [M, K] and w [2I, K] row-major, one dtype; got x {tuple(x.shape)} {x.dtype}, "
-                         f"w {tuple(w.shape)} {w.dtype} strides {w.stride()}")
-    inter = two_i // 2
-    out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-    bm = max(16, triton.next_power_of_2(m))
-    block_n, block_k, stages, warps = config or GATE_UP_CONFIGS[bm]
-    _gate_up_silu_kernel[(triton.cdiv(inter, block_n),)](
-        x, w, out, m, inter, k, x.stride(0), w.stride(0), out.stride(0), eps,
-        BM=bm, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, TRIGGER=trigger,
-        num_stages=stages, num_warps=warps, **launch_options(pdl))
-    return out

@@ -29,7 +29,6 @@ from mstar.services.engines.cuda_graphs import (
     DEFAULT_BATCH_SIZES,
     DOWN_GEMM,
     FUSED_NORMS,
-    GATE_UP_GEMM,
     GRAPH_ATTENTION,
     PROJ_GEMM,
     DecodeGraphs,
@@ -97,9 +96,6 @@ class EngineConfig:
     # qkv and o_proj (+ residual add) of those graphs (batches <= gemm_triton.MAX_ROWS): auto
     # (Triton kernels where fused_norms is on) | triton | cublas
     proj_gemm: str = "auto"
-    # gate/up of those graphs (batches <= gemm_triton.MAX_ROWS): auto (cuda_graphs.GATE_UP_AUTO) |
-    # triton (a Triton GEMM, then the SiLU·mul kernel) | fused (SiLU·mul in the Triton GEMM) | cublas
-    gate_up_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.graph_attention not in GRAPH_ATTENTION:
@@ -113,8 +109,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.down_gemm: '{self.down_gemm}' is not one of {', '.join(DOWN_GEMM)}")
         if self.proj_gemm not in PROJ_GEMM:
             raise ValueError(f"EngineConfig.proj_gemm: '{self.proj_gemm}' is not one of {', '.join(PROJ_GEMM)}")
-        if self.gate_up_gemm not in GATE_UP_GEMM:
-            raise ValueError(f"EngineConfig.gate_up_gemm: '{self.gate_up_gemm}' is not one of {', '.join(GATE_UP_GEMM)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"EngineConfig.pdl: '{self.pdl}' is not one of {', '.join(PDL_MODES)}")
         if self.fused_sampler not in FUSED_SAMPLER:
@@ -169,8 +163,7 @@ class KVCacheEngine:
             sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
                                   min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms,
-                                  down_gemm=config.down_gemm, pdl=config.pdl, proj_gemm=config.proj_gemm,
-                                  gate_up_gemm=config.gate_up_gemm)
+                                  down_gemm=config.down_gemm, pdl=config.pdl, proj_gemm=config.proj_gemm)
         self.overlap = config.overlap and p.device.type == "cuda"
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)

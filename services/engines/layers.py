@@ -49,10 +49,6 @@ class ForwardContext:
     # with fused_norms: qkv and o_proj (+ residual add) as Triton kernels (gemm_triton.linear /
     # linear_add_; their weights stored row-major) instead of cuBLAS
     triton_proj: bool = False
-    # with fused_norms: gate/up as 'cublas' + the SiLU·mul kernel, 'triton' (gemm_triton.linear)
-    # + the SiLU·mul kernel, or 'fused' (gemm_triton.gate_up_silu, SiLU·mul in its epilogue); the
-    # Triton ones read the gate/up weight row-major
-    gate_up: str = "cublas"
 
 
 class RMSNorm(nn.Module):
@@ -243,7 +239,7 @@ class DecoderLayer(nn.Module):
         with r = 1 / rms(h) per row: the qkv and gate_up GEMMs read ``h`` itself, the fused decode
         kernel and the SiLU·mul kernel compute r and scale, and o_proj / down add into ``h`` in
         their GEMM (beta = 1), which replaces the residual adds."""
-        from mstar.services.engines.gemm_triton import gate_up_silu, linear, linear_add_
+        from mstar.services.engines.gemm_triton import linear_add_
         from mstar.services.engines.rowscale_triton import silu_mul_rowscale
 
         a, mlp = self.self_attn, self.mlp
@@ -252,13 +248,7 @@ class DecoderLayer(nn.Module):
             linear_add_(h, o, a.o_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl)
         else:
             h.addmm_(o, a.o_proj.weight.t())
-        eps = self.post_attention_layernorm.eps
-        if ctx.gate_up == "fused":
-            act = gate_up_silu(h, mlp.gate_up_proj.weight, eps, pdl=ctx.pdl, trigger=ctx.pdl)
-        else:
-            gu = (linear(h, mlp.gate_up_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl) if ctx.gate_up == "triton"
-                  else mlp.gate_up_proj(h))
-            act = silu_mul_rowscale(gu, h, eps, pdl=ctx.pdl)
+        act = silu_mul_rowscale(mlp.gate_up_proj(h), h, self.post_attention_layernorm.eps, pdl=ctx.pdl)
         if ctx.triton_down:
             linear_add_(h, act, mlp.down_proj.weight, pdl=ctx.pdl, trigger=ctx.pdl and ctx.triton_proj)
         else:

@@ -20,7 +20,7 @@ from mstar.services.engines import EngineConfig, ForwardItem, LlamaForCausalLM  
 from mstar.services.engines.attention import HeadShape  # noqa: E402
 from mstar.services.engines.attn_triton import TritonGraphDecode  # noqa: E402
 from mstar.services.engines.batch import SeqSlice, build_step_inputs  # noqa: E402
-from mstar.services.engines.gemm_triton import MAX_ROWS, gate_up_silu, linear, linear_add_  # noqa: E402
+from mstar.services.engines.gemm_triton import MAX_ROWS, linear, linear_add_  # noqa: E402
 from mstar.services.engines.kernels import TORCH_OPS, rms_scale_ref  # noqa: E402
 from mstar.services.engines.layers import ForwardContext, RotaryEmbedding  # noqa: E402
 from mstar.services.engines.rowscale_triton import silu_mul_rowscale, silu_mul_rowscale_ref  # noqa: E402
@@ -119,12 +119,11 @@ def test_a_decode_step_without_norm_kernels_matches_the_reference(tiny_model):
     dec = TritonGraphDecode(tiny_model.config.heads, torch.device("cpu"), torch.float32, PAGE_SIZE, 3,
                             cache.allocator.num_pages)
     dec.plan(inputs.attn)
-    for model, fused, down, proj, gate_up in ((folded, True, False, False, "cublas"), (folded, True, True, False, "cublas"),
-                                              (folded, True, True, True, "cublas"), (folded, True, True, True, "triton"),
-                                              (folded, True, True, True, "fused"), (folded, False, False, False, "cublas"),
-                                              (tiny_model, False, False, False, "cublas")):
+    for model, fused, down, proj in ((folded, True, False, False), (folded, True, True, False),
+                                     (folded, True, True, True), (folded, False, False, False),
+                                     (tiny_model, False, False, False)):
         ctx = ForwardContext(dec, cache.kv, inputs.attn.slots, TORCH_OPS, fused_norms=fused, triton_down=down,
-                             triton_proj=proj, gate_up=gate_up)
+                             triton_proj=proj)
         got = model(model.embed(ids), inputs.positions, ctx)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cache.kv, want_kv, atol=1e-5, rtol=1e-5)
@@ -142,20 +141,6 @@ def test_triton_down_projection_adds_x_w_t_into_h(m, n, k):
     assert got is h
     torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)  # the same kernel without the add
-
-
-@CPU_ONLY
-@pytest.mark.parametrize("m,inter,k", [(1, 40, 64), (5, 70, 300), (MAX_ROWS, 96, 130)])
-def test_gate_up_silu_is_silu_mul_of_the_row_scaled_gemm(m, inter, k):
-    """Partial column / K blocks, both row tiles: silu(r·gate)·(r·up) with r = 1/rms(x), fp32 (1e-4)."""
-    g = torch.Generator().manual_seed(m)
-    x, w = torch.randn(m, k, generator=g) * 3, torch.randn(2 * inter, k, generator=g) * 0.2
-    want = silu_mul_rowscale_ref(x @ w.T, x, 1e-5)
-    torch.testing.assert_close(gate_up_silu(x, w, 1e-5), want, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="at most 32 rows"):
-        gate_up_silu(torch.zeros(33, k), w, 1e-5)
-    with pytest.raises(ValueError, match=r"w \[2I, K\] row-major"):
-        gate_up_silu(x, w.t().contiguous().t(), 1e-5)
 
 
 @CPU_ONLY
@@ -180,8 +165,6 @@ def test_fused_norms_are_refused_where_they_do_not_apply(tmp_path):
         EngineConfig(pdl="yes")
     with pytest.raises(ValueError, match="EngineConfig.proj_gemm: 'cutlass' is not one of auto, triton, cublas"):
         EngineConfig(proj_gemm="cutlass")
-    with pytest.raises(ValueError, match="EngineConfig.gate_up_gemm: 'cutlass' is not one of auto, triton, fused, cublas"):
-        EngineConfig(gate_up_gemm="cutlass")
     torch.manual_seed(0)
     tiny_hf_llama(attention_bias=True).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
