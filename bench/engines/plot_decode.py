@@ -35,7 +35,8 @@ def main(src: str, dst: str, before: str | None = None) -> None:
         if isinstance(res, dict) and "config_change" in res:
             cb = sorted(int(k) for k, v in res.items() if k.isdigit() and "decode_step_ms_median" in v)
             a.plot(cb, [res[str(x)]["decode_step_ms_median"] for x in cb], "d:",
-                   label="same run, " + ", ".join(f"{k}={v}" for k, v in res["config_change"].items()))
+                   label="same run, " + (", ".join(f"{k}={v}" for k, v in res["config_change"].items())
+                                         or "the default engine again"))
     if before:
         old = json.load(open(before))["ours"]
         ob = sorted(int(b) for b in old)
