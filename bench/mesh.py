@@ -96,8 +96,8 @@ async def events_grpc(address: str, streams: int, prompt: str) -> dict:
 
 
 async def events_gateway(url: str, streams: int, prompt: str) -> dict:
-    async def stream(session) -> int:
-        body = {"model": "toy", "text": prompt, "model_kwargs": {"max_tokens": len(prompt)}, "stream": True}
+    async def stream(session, text: str = prompt) -> int:
+        body = {"model": "toy", "text": text, "model_kwargs": {"max_tokens": len(text)}, "stream": True}
         n = 0
         async with session.post(f"{url}/generate", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
             assert r.status == 200, await r.text()
@@ -107,12 +107,29 @@ async def events_gateway(url: str, streams: int, prompt: str) -> dict:
         return n
 
     async with aiohttp.ClientSession() as session:
-        await stream(session)
+        await stream(session, prompt[:64])  # warm-up, as events_grpc's
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(stream(session) for _ in range(streams)))
         wall = time.perf_counter() - t0
     events = sum(counts)
     return {"path": "gateway", "streams": streams, "events": events, "seconds": wall, "events_per_s": events / wall}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_cpu(pids: list[int], run) -> dict:
+    """``run()``'s result (an events_* row) with the CPU all of ``pids`` used meanwhile, per
+    event and in cores (the warm-up stream included: 64 tokens of thousands)."""
+    c0, t0 = sum(map(cpu_s, pids)), time.perf_counter()
+    r = run()
+    cpu, wall = sum(map(cpu_s, pids)) - c0, time.perf_counter() - t0
+    r["cpu_us_per_event"], r["cpu_cores_busy"] = 1e6 * cpu / r["events"], cpu / wall
+    return r
 
 
 async def transfer(address: str, protocol: str, repeats: int) -> list[dict]:
@@ -198,8 +215,11 @@ def main() -> None:
     try:
         result["latency"] = [latency_with_links(mesh, c, n) for c, n in counts]
         prompt = ("The quick brown fox jumps over the lazy dog. " * 100)[:4096]
-        result["events"] = [asyncio.run(events_grpc(mesh.conductor_address, s, prompt)) for s in (1, 8)]
-        result["events"] += [asyncio.run(events_gateway(mesh.url, s, prompt)) for s in (1, 8)]
+        pids = [s.proc.pid for s in mesh.services] + [os.getpid()]
+        result["events"] = [with_cpu(pids, lambda s=s: asyncio.run(events_grpc(mesh.conductor_address, s, prompt)))
+                            for s in (1, 8)]
+        result["events"] += [with_cpu(pids, lambda s=s: asyncio.run(events_gateway(mesh.url, s, prompt)))
+                             for s in (1, 8)]
         result["transfer"] = asyncio.run(transfer(mesh.conductor_address, "SHM", max(3, int(10 * scale))))
     finally:
         mesh.stop()

@@ -242,11 +242,14 @@ def main() -> None:
         t0 = time.time()
         result["latency"] = [asyncio.run(mesh.latency(address, c, n)) for c, n in counts]
         prompt = ("The quick brown fox jumps over the lazy dog. " * 100)[:4096]
-        result["events"] = [asyncio.run(mesh.events_grpc(address, s, prompt)) for s in (1, 8)]
         with tempfile.TemporaryDirectory() as tmp:
             gateway, url = launch_gateway(address, Path(tmp) / "port")
+            pids = [p.pid for p in procs] + [gateway.pid, os.getpid()]  # the gateway idles in the gRPC runs
             try:
-                result["events"] += [asyncio.run(mesh.events_gateway(url, s, prompt)) for s in (1, 8)]
+                result["events"] = [mesh.with_cpu(pids, lambda s=s: asyncio.run(mesh.events_grpc(address, s, prompt)))
+                                    for s in (1, 8)]
+                result["events"] += [mesh.with_cpu(pids, lambda s=s: asyncio.run(mesh.events_gateway(url, s, prompt)))
+                                     for s in (1, 8)]
             finally:
                 gateway.terminate()
                 gateway.wait(10)
