@@ -3,9 +3,9 @@ the same five processes (client, conductor, three node groups), with no runtime 
 
 Each process is a bare Python gRPC service on uvloop with the services' grpc settings
 (mstar/grpc_env.py). They exchange the real wire messages (``FrameBatch`` of ``Frame`` over
-``NodeGroup/Exchange`` streams, ``GenerateResponse`` to the client), and every link writes all
-the frames queued for it as one message, as ``services/links.py`` does. What a request does, for
-k = min(len(text), max_tokens) tokens:
+``NodeGroup/Exchange`` streams, ``GenerateResponse`` to the client) through the mesh's own
+``services.links.Link``, so frames coalesce into messages as in the mesh. What a request does,
+for k = min(len(text), max_tokens) tokens:
 
     client --Generate--> conductor --START encode--> encoder --DONE--> conductor
     conductor --START generate--> decoder: k text EMITs -> conductor, one chunk frame per cut of
@@ -18,7 +18,7 @@ walk bookkeeping and all Python work of the runtime and the model are left out),
 mesh cannot do, the real one cannot either. Same client loops as bench/mesh.py; the streamed
 events also through the real gateway process (``python -m mstar.gateway``) in front of it.
 
-    python bench/mesh_floor.py --out bench/results/mesh-floor.json [--quick]
+    python bench/mesh_floor.py --out bench/results/mesh-floor/floor.json [--quick] [--chained] [--uds DIR]
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ class Request:
 
 
 class Role(node_group_pb2_grpc.NodeGroupServicer, conductor_pb2_grpc.ConductorServicer):
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, chained: bool):
+        """``chained``: the encoder seeds the generate walk on the decoder itself (walk chaining,
+        a hop the conductor no longer sits in), as the best design of this topology would."""
+        self.name, self.chained = name, chained
         self.links: dict[str, Link] = {}
         self.requests: dict[str, Request] = {}  # conductor's
         self.tasks: set[asyncio.Task] = set()  # decoder's loops
@@ -84,7 +86,7 @@ class Role(node_group_pb2_grpc.NodeGroupServicer, conductor_pb2_grpc.ConductorSe
 
     def on_frame(self, sender: str, f: npb.Frame) -> None:
         if self.name == "encoder":  # encode walk: done at once
-            if CHAINED:  # start the next walk itself; the conductor only hears of it
+            if self.chained:  # start the next walk itself; the conductor only hears of it
                 self.links["decoder"].send(npb.Frame(kind=START, request_id=f.request_id, walk="generate",
                                                      iteration=f.iteration))
                 self.links["conductor"].send(npb.Frame(kind=DONE, request_id=f.request_id, walk="encode", done=True))
@@ -155,35 +157,27 @@ class Role(node_group_pb2_grpc.NodeGroupServicer, conductor_pb2_grpc.ConductorSe
 
 PEERS = {"conductor": ("encoder", "decoder"), "encoder": ("conductor", "decoder"), "decoder": ("conductor", "audio"),
          "audio": ("conductor",)}
-#: --chained: the encoder seeds the generate walk on the decoder itself (walk chaining, a hop the
-#: conductor no longer sits in), as the best design of this topology would
-CHAINED = "--chained" in sys.argv
-#: --uds DIR: every service listens on a Unix socket in DIR instead of loopback TCP
-UDS = sys.argv[sys.argv.index("--uds") + 1] if "--uds" in sys.argv else ""
 
 
-def address(role: str, ports: dict[str, int]) -> str:
-    return f"unix:{UDS}/{role}.sock" if UDS else f"127.0.0.1:{ports[role]}"
+def address(role: str, ports: dict[str, int], uds: str) -> str:
+    """``uds``: a folder whose Unix sockets the services listen on instead of loopback TCP."""
+    return f"unix:{uds}/{role}.sock" if uds else f"127.0.0.1:{ports[role]}"
 
 
-async def serve(name: str) -> None:
-    """Serve one role on a free loopback port; print the port, read the peers' ports (a JSON line
-    on stdin), connect, then run until stdin closes."""
-    role = Role(name)
+async def serve(name: str, chained: bool, uds: str) -> None:
+    """Serve one role on a free loopback port (or a Unix socket in ``uds``); print the port, read
+    the peers' ports (a JSON line on stdin), connect, then run until stdin closes."""
+    role = Role(name, chained)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     node_group_pb2_grpc.add_NodeGroupServicer_to_server(role, server)
     if name == "conductor":
         conductor_pb2_grpc.add_ConductorServicer_to_server(role, server)
-    if UDS:
-        server.add_insecure_port(f"unix:{UDS}/{name}.sock")
-        port = 0
-    else:
-        port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(address(name, {name: 0}, uds))
     await server.start()
     print(port, flush=True)
     loop = asyncio.get_running_loop()
     ports = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
-    role.connect({peer: address(peer, ports) for peer in PEERS[name]})
+    role.connect({peer: address(peer, ports, uds) for peer in PEERS[name]})
     print("connected", flush=True)
     await loop.run_in_executor(None, sys.stdin.read)  # until stdin closes
     for link in role.links.values():
@@ -204,9 +198,9 @@ def launch_gateway(conductor: str, port_file: Path) -> tuple[subprocess.Popen, s
     return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
 
 
-def launch() -> tuple[list[subprocess.Popen], str]:
+def launch(chained: bool = False, uds: str = "") -> tuple[list[subprocess.Popen], str]:
     env = dict(os.environ, GRPC_VERBOSITY="ERROR")  # no INFO lines from grpc core at shutdown
-    extra = [*(["--chained"] if CHAINED else []), *(["--uds", UDS] if UDS else [])]
+    extra = [*(["--chained"] if chained else []), *(["--uds", uds] if uds else [])]
     procs = {r: subprocess.Popen([sys.executable, __file__, "--role", r, *extra],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for r in ROLES}
     ports = {r: int(p.stdout.readline()) for r, p in procs.items()}
@@ -215,12 +209,12 @@ def launch() -> tuple[list[subprocess.Popen], str]:
         p.stdin.flush()
     for p in procs.values():
         assert p.stdout.readline().strip() == "connected"
-    return list(procs.values()), address("conductor", ports)
+    return list(procs.values()), address("conductor", ports, uds)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mesh-floor.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mesh-floor" / "floor.json"))
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, not for the record)")
     ap.add_argument("--chained", action="store_true",
                     help="the encoder starts the generate walk itself (walk chaining: one conductor hop fewer)")
@@ -228,7 +222,7 @@ def main() -> None:
     ap.add_argument("--role", choices=ROLES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role:
-        run_service(serve(args.role))
+        run_service(serve(args.role, args.chained, args.uds or ""))
         return
     sys.path.insert(0, str(ROOT / "bench"))
     import mesh  # the same client loops, machine description and bare-call baseline
@@ -237,16 +231,16 @@ def main() -> None:
     counts = [(c, int(n * scale)) for c, n in ((1, 1000), (16, 4000), (64, 8000))]
     result: dict = {"command": " ".join(["python", "bench/mesh_floor.py", *sys.argv[1:]]), "machine": mesh.machine(),
                     "workload": __doc__.split("\n\n")[2], "raw_grpc": mesh.raw_grpc(counts)}
-    procs, address = launch()
+    procs, conductor = launch(args.chained, args.uds or "")
     try:
         t0 = time.time()
-        result["latency"] = [asyncio.run(mesh.latency(address, c, n)) for c, n in counts]
+        result["latency"] = [asyncio.run(mesh.latency(conductor, c, n)) for c, n in counts]
         prompt = ("The quick brown fox jumps over the lazy dog. " * 100)[:4096]
         with tempfile.TemporaryDirectory() as tmp:
-            gateway, url = launch_gateway(address, Path(tmp) / "port")
+            gateway, url = launch_gateway(conductor, Path(tmp) / "port")
             pids = [p.pid for p in procs] + [gateway.pid, os.getpid()]  # the gateway idles in the gRPC runs
             try:
-                result["events"] = [mesh.with_cpu(pids, lambda s=s: asyncio.run(mesh.events_grpc(address, s, prompt)))
+                result["events"] = [mesh.with_cpu(pids, lambda s=s: asyncio.run(mesh.events_grpc(conductor, s, prompt)))
                                     for s in (1, 8)]
                 result["events"] += [mesh.with_cpu(pids, lambda s=s: asyncio.run(mesh.events_gateway(url, s, prompt)))
                                      for s in (1, 8)]
