@@ -80,11 +80,11 @@ class Role(node_group_pb2_grpc.NodeGroupServicer, conductor_pb2_grpc.ConductorSe
     async def Exchange(self, request_iterator, context):
         async for batch in request_iterator:
             for f in batch.frames:
-                self.on_frame(batch.sender, f)
+                self.on_frame(f)
         return
         yield  # an async generator: the stream of Acks, never written
 
-    def on_frame(self, sender: str, f: npb.Frame) -> None:
+    def on_frame(self, f: npb.Frame) -> None:
         if self.name == "encoder":  # encode walk: done at once
             if self.chained:  # start the next walk itself; the conductor only hears of it
                 self.links["decoder"].send(npb.Frame(kind=START, request_id=f.request_id, walk="generate",

@@ -14,11 +14,17 @@ folder = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/mesh-floor")
 runs = {"M* mesh (toy)": "mesh.json", "floor": "floor.json", "floor, walks chained": "floor-chained.json",
         "floor, Unix sockets": "floor-uds.json"}
 runs = {k: json.loads((folder / v).read_text()) for k, v in runs.items() if (folder / v).exists()}
+
+
+def events_per_s(path: str, streams: int):
+    return lambda r: next(e for e in r["events"] if e["path"] == path and e["streams"] == streams)["events_per_s"]
+
+
 panels = [  # (title, value of a run, target, higher is better)
     ("p50 round trip, 1 client (ms)", lambda r: r["latency"][0]["p50_ms"], 2.0, False),
     ("requests/s, 64 clients", lambda r: r["latency"][2]["requests_per_s"], 1000.0, True),
-    ("events/s, gRPC, 8 streams", lambda r: next(e for e in r["events"] if e["path"] == "grpc" and e["streams"] == 8)["events_per_s"], 20000.0, True),
-    ("events/s, gateway, 8 streams", lambda r: next(e for e in r["events"] if e["path"] == "gateway" and e["streams"] == 8)["events_per_s"], 20000.0, True),
+    ("events/s, gRPC, 8 streams", events_per_s("grpc", 8), 20000.0, True),
+    ("events/s, gateway, 8 streams", events_per_s("gateway", 8), 20000.0, True),
 ]
 fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
 for ax, (title, value, target, higher) in zip(axes, panels, strict=True):
