@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mstar.services.engines.attention import AttentionBatch
@@ -27,18 +28,69 @@ def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-_UPLOAD_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if (index, role) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[(index, role)] = torch.cuda.Stream(device=torch.device("cuda", index))
+    return _SIDE_STREAMS[(index, role)]
 
 
 def upload_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's stream for the decode graphs' input copies, kept off the compute stream: each
+    """The device's stream for a decode step's input copies, kept off the compute stream: each
     copy between kernels there costs the step the copy and two engine switches (~5 µs on an H100,
     bench/results/engines/2026-11-25d/). Copies on it only go into persistent buffers: nothing is
     allocated on it."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _UPLOAD_STREAMS:
-        _UPLOAD_STREAMS[index] = torch.cuda.Stream(device=torch.device("cuda", index))
-    return _UPLOAD_STREAMS[index]
+    return _side_stream(device, "upload")
+
+
+def download_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for sampled tokens' copies to the host, off the compute stream for the
+    same reason (``upload_stream``); separate from it, so the next step's uploads never queue
+    behind a download that waits for this step's sampler."""
+    return _side_stream(device, "download")
+
+
+class StagedRows:
+    """Per-step numbers (a host array) uploaded ahead of the kernels that read them, off the
+    compute stream: into one of ``copies`` persistent device buffers on ``upload_stream``, which
+    the compute stream waits for where ``put`` is called. Call ``put`` before the step's forward
+    pass, so the copy runs meanwhile, and ``read`` once the kernels that read it are queued; a
+    buffer is rewritten only after its last reader ran. On a CPU, a plain copy."""
+
+    def __init__(self, device: torch.device, copies: int = 2):
+        self.device = device
+        self._bufs: list[torch.Tensor | None] = [None] * copies
+        self._done = [torch.cuda.Event() for _ in range(copies)] if device.type == "cuda" else []
+        self._turn = 0
+
+    def put(self, host: np.ndarray) -> torch.Tensor:
+        """``host`` (float64 or int64) on the device, same shape; read it before the next ``put``
+        but one (``copies`` = 2)."""
+        src = torch.from_numpy(np.ascontiguousarray(host))
+        if self.device.type != "cuda":
+            return src.to(self.device)
+        self._turn = (self._turn + 1) % len(self._bufs)
+        i = self._turn
+        main, up = torch.cuda.current_stream(self.device), upload_stream(self.device)
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < src.numel() or buf.dtype != src.dtype:
+            buf = self._bufs[i] = torch.empty(max(src.numel(), 64), dtype=src.dtype, device=self.device)
+            up.wait_stream(main)  # a fresh block may be one that main's queued kernels still read
+        else:
+            up.wait_event(self._done[i])  # its previous readers ran
+        dst = buf[: src.numel()].view(src.shape)
+        with torch.cuda.stream(up):
+            dst.copy_(src.pin_memory(), non_blocking=True)
+        main.wait_stream(up)
+        return dst
+
+    def read(self) -> None:
+        """The kernels reading the latest ``put`` are queued on the compute stream."""
+        if self._done:
+            self._done[self._turn].record(torch.cuda.current_stream(self.device))
 
 
 @dataclass(frozen=True)

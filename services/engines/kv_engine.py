@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from mstar.services.engines.attention import make_backend
-from mstar.services.engines.batch import SeqSlice, StepInputs, build_step_inputs, h2d
+from mstar.services.engines.batch import (
+    SeqSlice,
+    StagedRows,
+    StepInputs,
+    build_step_inputs,
+    download_stream,
+    h2d,
+)
 from mstar.services.engines.cuda_graphs import (
     DEFAULT_BATCH_SIZES,
     DOWN_GEMM,
@@ -171,6 +178,7 @@ class KVCacheEngine:
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
         self.sampler = Sampler(fused=FUSED_SAMPLER[config.fused_sampler])
+        self._sample_rows = StagedRows(p.device)  # the sampler's per-row numbers, uploaded ahead of each step
         self._head_cols = None  # the head_ranges' ids on the device, in column order
         if config.head_ranges:
             vocab = model.config.vocab_size  # type: ignore[attr-defined]
@@ -313,21 +321,27 @@ class KVCacheEngine:
         """Queue the forward pass and the sampling of ``out``; ``ahead`` = outputs sampled
         but not yet added to the sequences (1 for a pipelined step)."""
         sampling = tuple(i for i, c in enumerate(out.chunks) if c.samples)
-        hidden = self.runner.run(inputs, token_ids=token_ids)
         seqs = [out.chunks[i].seq for i in sampling]
         index = [s.num_output_tokens + ahead for s in seqs]
         params = [s.params.at_output(i) for s, i in zip(seqs, index, strict=True)]
-        rows = inputs.last_rows()[list(sampling)]
-        if torch.equal(rows, torch.arange(len(rows))):  # decode: every row samples, no gather
-            hidden = hidden[: len(rows)]
-        else:
-            hidden = hidden[h2d(rows, self.device)]
         keys = [s.request_id for s in seqs]
-        if self._head_cols is not None and all(self._in_head(p.allowed_token_ranges) for p in params):
-            logits = self.model.compute_logits(hidden, self.config.head_ranges)
-            tokens = self.sampler(logits, params, keys, index, columns=self._head_cols)
-        else:
-            tokens = self.sampler(self.model.compute_logits(hidden), params, keys, index)
+        head = self._head_cols is not None and all(self._in_head(p.allowed_token_ranges) for p in params)
+        columns = self._head_cols if head else None
+        vocab = len(columns) if columns is not None else self.model.config.vocab_size
+        # the sampler's per-row numbers go up before the forward pass, off the compute stream
+        plan = self.sampler.plan(params, vocab, self.device, keys, index, columns)
+        per_row = self._sample_rows.put(plan.host)
+        try:
+            hidden = self.runner.run(inputs, token_ids=token_ids)
+            rows = inputs.last_rows()[list(sampling)]
+            if torch.equal(rows, torch.arange(len(rows))):  # decode: every row samples, no gather
+                hidden = hidden[: len(rows)]
+            else:
+                hidden = hidden[h2d(rows, self.device)]
+            logits = self.model.compute_logits(hidden, self.config.head_ranges if head else ())
+            tokens = self.sampler.sample(logits, plan, per_row)
+        finally:
+            self._sample_rows.read()
         host, wait = _to_host_async(tokens)
         self.stats.steps += 1
         self.stats.graph_steps += int(self.runner.last_run_replayed)
@@ -384,8 +398,12 @@ def _to_host_async(tokens: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Non
     """Start copying sampled tokens to the host; returns the host tensor and a wait."""
     if tokens.device.type != "cuda":
         return tokens, lambda: None
+    down = download_stream(tokens.device)
+    down.wait_stream(torch.cuda.current_stream(tokens.device))
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+    with torch.cuda.stream(down):
+        host.copy_(tokens, non_blocking=True)
+    tokens.record_stream(down)  # its memory is not reused before the copy ran
     done = torch.cuda.Event()
-    done.record()
+    done.record(down)
     return host, done.synchronize

@@ -200,6 +200,24 @@ def seeded_uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray
     return ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
+@dataclass(frozen=True)
+class SamplePlan:
+    """What ``Sampler.plan`` decided for a batch of rows (``Sampler.sample`` carries it out)."""
+
+    host: np.ndarray  # float64 [3 or 9, B]: the per-row numbers the device half reads
+    vocab: int  # width of the logits it samples
+    path: str  # 'full' | 'fused' (sample_triton) | 'torch'
+    ranges: tuple[tuple[tuple[int, int], ...], ...]  # each row's allowed ranges
+    constrained: bool  # every row has allowed ranges
+    compacts: bool  # ... small enough to gather them first
+    penalize: bool  # a row has a repetition penalty and a tracked sequence
+    greedy: bool  # every row greedy (torch path: argmax only)
+    sorts: bool  # a row uses top-k / top-p
+    min_p: bool  # a row uses min-p
+    any_greedy: bool
+    columns: torch.Tensor | None  # the restricted head's token ids, if the logits are restricted
+
+
 class _RangeTable:
     """Every distinct allowed-range set seen so far as a row of token ids on the device
     ([sets, width], padded with -1), so a batch whose rows all have small allowed sets is
@@ -315,11 +333,21 @@ class Sampler:
         sequences (repetition penalty); ``counters`` are the rows' output indices (seeds).
         ``columns``: the logits cover only these sorted token ids (a restricted head); every
         row must then carry allowed ranges inside them. Every per-row number goes to the
-        device in one upload."""
-        n, vocab = logits.shape
-        dev = logits.device
+        device in one upload (``plan`` then ``sample``, which an engine calls apart to upload
+        the numbers before the logits exist)."""
+        plan = self.plan(params, logits.shape[1], logits.device, keys, counters, columns)
+        return self.sample(logits, plan, h2d(torch.from_numpy(plan.host), logits.device))
+
+    def plan(self, params: Sequence[SamplingParams], vocab: int, device: torch.device,
+             keys: Sequence[str | None] | None = None, counters: Sequence[int] | None = None,
+             columns: torch.Tensor | None = None) -> SamplePlan:
+        """The host half of a call for len(params) rows of logits ``vocab`` wide on ``device``
+        (arguments as ``__call__``): which path samples and every per-row number
+        (``SamplePlan.host``), which ``sample`` reads from the device."""
+        n = len(params)
         if n == 0:
-            return torch.empty(0, dtype=torch.int64, device=dev)
+            return SamplePlan(np.zeros((3, 0)), vocab, "torch", (), False, False, False, True, False, False, False,
+                              columns)
         keys = keys or [None] * n
         counters = counters or [0] * n
         ranges = [p.allowed_token_ranges for p in params]
@@ -329,13 +357,13 @@ class Sampler:
         slots = [self._slots.get(k, 0) if k is not None and p.repetition_penalty != 1 else 0
                  for k, p in zip(keys, params, strict=True)]
         penalize = any(slots)
-        set_ids = self._ranges.ids(ranges, dev) if constrained else None
+        set_ids = self._ranges.ids(ranges, device) if constrained else None
         table = self._ranges.table
         compacts = constrained and table is not None and (columns is not None or 2 * table.shape[1] <= vocab)
-        fused = compacts and table.shape[1] <= FUSED_MAX_WIDTH and self._use_fused(dev)
+        fused = compacts and table.shape[1] <= FUSED_MAX_WIDTH and self._use_fused(device)
         # no allowed sets, no top-k / top-p anywhere: the full-vocabulary kernels
         sorts = any(p.top_k or p.top_p < 1 for p in params)
-        full = columns is None and not any(ranges) and not sorts and self._use_fused(dev)
+        full = columns is None and not any(ranges) and not sorts and self._use_fused(device)
         greedy = all(p.greedy for p in params) and not (fused or full)
         # rows: set id, seen-mask slot, penalty, then (sampling) temperature, top_p, min_p, top_k, greedy, uniform
         host = np.zeros((9 if not greedy else 3, n), dtype=np.float64)
@@ -347,21 +375,35 @@ class Sampler:
         if not greedy:
             host[3:8] = np.array([p.draw_row for p in params]).T
             host[8] = self._uniforms(params, counters)
-        per_row = h2d(torch.from_numpy(host), dev)
-        if full:
+        path = "full" if full else "fused" if fused else "torch"
+        return SamplePlan(host, vocab, path, tuple(ranges), constrained, compacts, penalize, greedy, sorts,
+                          any(p.min_p > 0 for p in params), any(p.greedy for p in params), columns)
+
+    def sample(self, logits: torch.Tensor, plan: SamplePlan, per_row: torch.Tensor) -> torch.Tensor:
+        """The device half: token ids [B] from ``logits`` [B, plan.vocab] and ``per_row``, the
+        plan's ``host`` on the logits' device."""
+        n, vocab = logits.shape
+        dev = logits.device
+        if (n, vocab) != (plan.host.shape[1], plan.vocab) or tuple(per_row.shape) != plan.host.shape:
+            raise ValueError(f"logits {tuple(logits.shape)} / per-row numbers {tuple(per_row.shape)} do not match the "
+                             f"plan ({plan.host.shape[1]} rows, {plan.vocab} wide, {plan.host.shape})")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=dev)
+        columns, table = plan.columns, self._ranges.table
+        if plan.path == "full":
             from mstar.services.engines.sample_triton import sample_full
 
-            return sample_full(logits, per_row, self._seen if penalize else None)
-        if fused:
+            return sample_full(logits, per_row, self._seen if plan.penalize else None)
+        if plan.path == "fused":
             from mstar.services.engines.sample_triton import sample_compact
 
             assert table is not None
             cols = self._ranges.positions(columns) if columns is not None else None
-            return sample_compact(logits, table, cols, per_row, self._seen if penalize else None)
+            return sample_compact(logits, table, cols, per_row, self._seen if plan.penalize else None)
         compact = cols = None
-        if constrained:
+        if plan.constrained:
             assert table is not None
-            if compacts:
+            if plan.compacts:
                 set_idx = per_row[0].long()
                 compact = table[set_idx]  # [B, L] token ids, -1 = padding
                 cols = compact if columns is None else self._ranges.positions(columns)[set_idx]
@@ -369,19 +411,18 @@ class Sampler:
             x = logits.gather(1, cols.clamp(min=0)).float().masked_fill_(compact < 0, float("-inf"))
         else:
             x = logits.clone() if logits.dtype == torch.float32 else logits.float()  # masks write in place
-            apply_allowed_ranges(x, ranges)
-        if penalize:
+            apply_allowed_ranges(x, plan.ranges)
+        if plan.penalize:
             assert self._seen is not None
             slot = per_row[1].long()
             seen = self._seen[slot] if compact is None else self._seen[slot[:, None], compact.clamp(min=0)]
             apply_repetition_penalty(x, seen, per_row[2])
-        if greedy:
+        if plan.greedy:
             pick = x.argmax(-1)
         else:
-            pick = self._draw(x, per_row[3:], sort=sorts,
-                              min_p=any(p.min_p > 0 for p in params), any_greedy=any(p.greedy for p in params))
+            pick = self._draw(x, per_row[3:], sort=plan.sorts, min_p=plan.min_p, any_greedy=plan.any_greedy)
         tokens = pick if compact is None else compact.gather(1, pick[:, None])[:, 0]
-        if penalize:  # mark the drawn ids seen; untracked rows write into the scratch row
+        if plan.penalize:  # mark the drawn ids seen; untracked rows write into the scratch row 1
             self._seen.view(-1).index_fill_(0, torch.where(slot > 0, slot, 1) * self._seen.shape[1] + tokens, True)
         return tokens
 

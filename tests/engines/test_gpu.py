@@ -214,3 +214,24 @@ def test_fused_norms_on_is_refused_where_the_graphs_cannot_apply_them(tmp_path):
         KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off", proj_gemm="triton"))
     with pytest.raises(RuntimeError, match="pdl='on': the graphs keep their RMSNorm kernels"):
         KVCacheEngine(model, EngineConfig(**base, graph_attention="triton", fused_norms="off", pdl="on"))
+
+
+def test_staged_rows_wait_for_their_readers():
+    """StagedRows uploads on a side stream into two alternating buffers: a buffer is rewritten
+    only after the kernels that read its previous contents ran, even while the compute stream
+    is far behind (slow matmuls queued ahead of every read)."""
+    import numpy as np
+
+    from mstar.services.engines.batch import StagedRows
+
+    dev = torch.device("cuda")
+    rows = StagedRows(dev)
+    busy = torch.randn(2048, 2048, device=dev)
+    sums = []
+    for i in range(6):
+        for _ in range(8):  # the compute stream lags the host by several ms
+            busy = (busy @ busy).tanh_()
+        staged = rows.put(np.full((3, 5), float(i)))
+        sums.append(staged.sum() + 0 * busy[0, 0])
+        rows.read()
+    assert [s.item() for s in sums] == [15.0 * i for i in range(6)]

@@ -199,3 +199,20 @@ def test_a_seeded_row_draws_the_same_whatever_filters_its_neighbours_use():
         beside = Sampler()(logits.repeat(3, 1), [plain, SamplingParams(seed=1, top_p=0.5),
                                                  SamplingParams(seed=9, top_p=1.0, top_k=500)], counters=[i] * 3)
         assert int(beside[0]) == alone and int(beside[2]) == alone
+
+
+def test_plan_then_sample_equals_one_call_and_refuses_other_logits():
+    """The engine plans a batch before its forward pass (the per-row numbers go up meanwhile)
+    and samples once the logits exist: same tokens as one call; logits or numbers of another
+    shape than planned are refused, not sampled."""
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.8, seed=s, top_k=5 * (s % 2), allowed_token_ranges=((0, 30),) * (s > 1))
+              for s in range(4)]
+    sampler = Sampler()
+    plan = sampler.plan(params, 40, logits.device, counters=[7] * 4)
+    got = sampler.sample(logits, plan, torch.from_numpy(plan.host))
+    assert got.tolist() == Sampler()(logits, params, counters=[7] * 4).tolist()
+    with pytest.raises(ValueError, match="do not match the plan"):
+        sampler.sample(logits[:, :39], plan, torch.from_numpy(plan.host))
+    with pytest.raises(ValueError, match="do not match the plan"):
+        sampler.sample(logits[:3], plan, torch.from_numpy(plan.host))
