@@ -14,7 +14,10 @@ Variants (``--variants``):
   q straight from the qkv output);
 - ``no_silu``: the SiLU·mul + row-scale kernel replaced by nothing (down reads the gate half);
 - ``ctx1``: the full graph with one cached token a sequence instead of ``--ctx`` (the attention's
-  share that grows with the context).
+  share that grows with the context);
+- ``one_split`` / ``one_split_ctx1``: the attention kernel launched with one KV split (half the
+  programs at batch 16: a graph's split count is fixed at capture, and a step uses fewer only by
+  leaving the rest idle).
 
     python bench/engines/step_knockout.py --out step_knockout.json --rounds 2
 """
@@ -34,7 +37,7 @@ from mstar.services.engines import EngineConfig, KVCacheEngine
 from mstar.services.engines.batch import SeqSlice
 from mstar.services.engines.direct import ForwardItem
 
-VARIANTS = ("full", "no_attention", "no_silu", "ctx1")
+VARIANTS = ("full", "no_attention", "no_silu", "ctx1", "one_split", "one_split_ctx1")
 
 
 @contextmanager
@@ -43,6 +46,9 @@ def knocked_out(variant: str):
     from mstar.services.engines import attn_triton, rowscale_triton
 
     saved = []
+    if variant.startswith("one_split"):
+        saved.append((attn_triton, "TARGET_PROGRAMS", attn_triton.TARGET_PROGRAMS))
+        attn_triton.TARGET_PROGRAMS = 1
     if variant == "no_attention":
         saved.append((attn_triton.TritonGraphDecode, "run_rope_store", attn_triton.TritonGraphDecode.run_rope_store))
         attn_triton.TritonGraphDecode.run_rope_store = lambda self, q, *a, **k: q
@@ -64,7 +70,7 @@ def forward_ms(model, variant: str, batch: int, ctx: int, reps: int) -> tuple[fl
         eng = KVCacheEngine(model, cfg)
     try:
         vocab = model.config.vocab_size
-        n_ctx = 1 if variant == "ctx1" else ctx
+        n_ctx = 1 if variant.endswith("ctx1") else ctx
         rids = [f"k{i}" for i in range(batch)]
         eng.forward([ForwardItem(r, token_ids=torch.randint(0, vocab, (n_ctx,), generator=gen)) for r in rids])
         for r in rids:
