@@ -15,6 +15,8 @@ Variants (``--variants``):
 - ``no_silu``: the SiLU·mul + row-scale kernel replaced by nothing (down reads the gate half);
 - ``ctx1``: the full graph with one cached token a sequence instead of ``--ctx`` (the attention's
   share that grows with the context);
+- ``no_attention_rowscale``: the attention kernel without its row scale (it reads no residual row
+  and computes no 1 / rms);
 - ``one_split`` / ``one_split_ctx1``: the attention kernel launched with one KV split (half the
   programs at batch 16: a graph's split count is fixed at capture, and a step uses fewer only by
   leaving the rest idle).
@@ -37,7 +39,7 @@ from mstar.services.engines import EngineConfig, KVCacheEngine
 from mstar.services.engines.batch import SeqSlice
 from mstar.services.engines.direct import ForwardItem
 
-VARIANTS = ("full", "no_attention", "no_silu", "ctx1", "one_split", "one_split_ctx1")
+VARIANTS = ("full", "no_attention", "no_silu", "ctx1", "one_split", "one_split_ctx1", "no_attention_rowscale")
 
 
 @contextmanager
@@ -49,9 +51,14 @@ def knocked_out(variant: str):
     if variant.startswith("one_split"):
         saved.append((attn_triton, "TARGET_PROGRAMS", attn_triton.TARGET_PROGRAMS))
         attn_triton.TARGET_PROGRAMS = 1
-    if variant == "no_attention":
-        saved.append((attn_triton.TritonGraphDecode, "run_rope_store", attn_triton.TritonGraphDecode.run_rope_store))
-        attn_triton.TritonGraphDecode.run_rope_store = lambda self, q, *a, **k: q
+    if variant in ("no_attention", "no_attention_rowscale"):
+        cls = attn_triton.TritonGraphDecode
+        saved.append((cls, "run_rope_store", cls.run_rope_store))
+        original = cls.run_rope_store
+        if variant == "no_attention":
+            cls.run_rope_store = lambda self, q, *a, **k: q
+        else:
+            cls.run_rope_store = lambda self, *a, row_rms=None: original(self, *a, row_rms=None)
     elif variant == "no_silu":
         saved.append((rowscale_triton, "silu_mul_rowscale", rowscale_triton.silu_mul_rowscale))
         rowscale_triton.silu_mul_rowscale = lambda x, src, eps, pdl=False: x[:, : x.shape[1] // 2]
