@@ -5,8 +5,9 @@ A kernel's own duration in a trace overstates what it costs where kernels overla
 dependent launches let the next one start during its tail). Here each variant captures the graph
 without that kernel and times the replay (CUDA events, median of ``--reps``), so the difference
 to the full graph is what the step would gain if the kernel took no time at all: an upper bound
-on what optimising it can win. The outputs are garbage (timing only; the replays read no value
-that steers control flow).
+on what optimising it can win. A knocked-out graph's outputs are garbage (timing only; the replays
+read no value that steers control flow); the others' are summed, to show variants that change no
+arithmetic give the same outputs.
 
 Variants (``--variants``):
 - ``full``: the engine's graph as it runs;

@@ -71,7 +71,7 @@ class StagedRows:
         but one (``copies`` = 2)."""
         src = torch.from_numpy(np.ascontiguousarray(host))
         if self.device.type != "cuda":
-            return src.to(self.device)
+            return h2d(src, self.device)
         self._turn = (self._turn + 1) % len(self._bufs)
         i = self._turn
         main, up = torch.cuda.current_stream(self.device), upload_stream(self.device)

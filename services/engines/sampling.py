@@ -208,14 +208,18 @@ class SamplePlan:
     vocab: int  # width of the logits it samples
     path: str  # 'full' | 'fused' (sample_triton) | 'torch'
     ranges: tuple[tuple[tuple[int, int], ...], ...]  # each row's allowed ranges
-    constrained: bool  # every row has allowed ranges
-    compacts: bool  # ... small enough to gather them first
+    compacts: bool  # every row has allowed ranges, small enough to gather them first
     penalize: bool  # a row has a repetition penalty and a tracked sequence
     greedy: bool  # every row greedy (torch path: argmax only)
     sorts: bool  # a row uses top-k / top-p
     min_p: bool  # a row uses min-p
     any_greedy: bool
     columns: torch.Tensor | None  # the restricted head's token ids, if the logits are restricted
+
+    @property
+    def constrained(self) -> bool:
+        """Every row has allowed ranges."""
+        return bool(self.ranges) and all(self.ranges)
 
 
 class _RangeTable:
@@ -346,8 +350,8 @@ class Sampler:
         (``SamplePlan.host``), which ``sample`` reads from the device."""
         n = len(params)
         if n == 0:
-            return SamplePlan(np.zeros((3, 0)), vocab, "torch", (), False, False, False, True, False, False, False,
-                              columns)
+            return SamplePlan(np.zeros((3, 0)), vocab, "torch", (), compacts=False, penalize=False, greedy=True,
+                              sorts=False, min_p=False, any_greedy=False, columns=columns)
         keys = keys or [None] * n
         counters = counters or [0] * n
         ranges = [p.allowed_token_ranges for p in params]
@@ -376,7 +380,7 @@ class Sampler:
             host[3:8] = np.array([p.draw_row for p in params]).T
             host[8] = self._uniforms(params, counters)
         path = "full" if full else "fused" if fused else "torch"
-        return SamplePlan(host, vocab, path, tuple(ranges), constrained, compacts, penalize, greedy, sorts,
+        return SamplePlan(host, vocab, path, tuple(ranges), compacts, penalize, greedy, sorts,
                           any(p.min_p > 0 for p in params), any(p.greedy for p in params), columns)
 
     def sample(self, logits: torch.Tensor, plan: SamplePlan, per_row: torch.Tensor) -> torch.Tensor:

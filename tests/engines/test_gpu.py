@@ -219,7 +219,8 @@ def test_fused_norms_on_is_refused_where_the_graphs_cannot_apply_them(tmp_path):
 def test_staged_rows_wait_for_their_readers():
     """StagedRows uploads on a side stream into two alternating buffers: a buffer is rewritten
     only after the kernels that read its previous contents ran, even while the compute stream
-    is far behind (slow matmuls queued ahead of every read)."""
+    is far behind (slow matmuls queued ahead of every read); a buffer that has to grow (a wider
+    batch from step 2) is a fresh block, written only after what the compute stream queued."""
     import numpy as np
 
     from mstar.services.engines.batch import StagedRows
@@ -228,10 +229,11 @@ def test_staged_rows_wait_for_their_readers():
     rows = StagedRows(dev)
     busy = torch.randn(2048, 2048, device=dev)
     sums = []
-    for i in range(6):
+    for i in range(8):
         for _ in range(8):  # the compute stream lags the host by several ms
             busy = (busy @ busy).tanh_()
-        staged = rows.put(np.full((3, 5), float(i)))
+        width = 40 if i >= 2 else 5  # growing waits for the compute stream: reuses follow to catch a missing guard
+        staged = rows.put(np.full((3, width), float(i)))
         sums.append(staged.sum() + 0 * busy[0, 0])
         rows.read()
-    assert [s.item() for s in sums] == [15.0 * i for i in range(6)]
+    assert [s.item() for s in sums] == [3.0 * (40 if i >= 2 else 5) * i for i in range(8)]

@@ -14,6 +14,6 @@ grep -E "passed|failed" "$OUT/pytest_gpu.txt"
 cp services/engines/batch.py /tmp/batch.py
 sed -i 's/            up.wait_event(self._done\[i\])  # its previous readers ran/            pass/' services/engines/batch.py
 grep -c "            pass$" services/engines/batch.py
-(cd tests/engines && python -m pytest test_gpu.py -k staged_rows -q -o addopts="" -p no:cacheprovider 2>&1) > "$OUT/pytest_unguarded.txt"
+(cd tests/engines && python -m pytest test_gpu.py -k staged_rows -q -rA -o addopts="" -p no:cacheprovider 2>&1) > "$OUT/pytest_unguarded.txt"
 cp /tmp/batch.py services/engines/batch.py
 grep -E "passed|failed|^E " "$OUT/pytest_unguarded.txt" | head -5
