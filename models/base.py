@@ -141,36 +141,46 @@ class NodeSubmodule:
 
 
 class EngineNode(NodeSubmodule):
-    """A node whose calls complete inside an engine that batches across requests and
-    steps (a KV-cache engine: continuous batching, chunked prefill, preemption).
+    """A node whose calls are served by a sequence engine that batches across requests and
+    steps on its own schedule (a KV-cache engine: continuous batching, chunked prefill,
+    preemption), typically the body of a decode Loop.
 
-    The runtime hands each ready call to ``submit`` at once and calls ``step`` while
-    ``has_work``; a call completes when a step returns it. Calls of a request passed to
-    ``release`` must never be returned afterwards. If ``step`` raises, every call still
-    in the engine fails.
+    The node group's ``EngineDriver`` owns everything between the runtime and ``engine``
+    (inbox, releases, the step in flight, calls waiting, outputs that came before their call),
+    on the event loop's thread; the engine steps on a thread (or process) of its own. The
+    node only says what a call asks of the engine (``prepare``), what an output means for the
+    call (``outputs``) and when its loop ends (``check_stop``): no locks, no maps.
+
+    Each call of a request takes one output of the request's sequence, in order. The call
+    whose ``prepare`` returns work (``StartSeq`` / ``ImportSeq`` from
+    ``mstar.services.engines.seq_engine``) takes the new sequence's first output; a call for
+    which it returns None takes the next one (which may have come before the call). Once
+    the sequence has finished and its outputs are taken, or where the request has none
+    here, ``outputs(call, None)`` answers at once.
     """
 
-    blocking = True
+    blocking = True  # step on the driver's engine thread (False: on the event loop; tests)
+    #: the sequence engine: ``LocalSeqEngine`` or ``EngineProcess`` (seq_engine.py), or one
+    #: with the same surface (submit, release, step, has_work, close, kv_stats, exit_reason)
+    engine: Any = None
 
-    def submit(self, call: NodeCall) -> None:
+    def prepare(self, call: NodeCall) -> Any:
+        """The engine work this call starts (``StartSeq`` / ``ImportSeq``), or None."""
+        return None
+
+    def outputs(self, call: NodeCall, output: Any) -> dict[str, torch.Tensor]:
+        """The call's outputs from the sequence's next ``SeqOutput``, or from None once the
+        request has no sequence here (finished, or never started)."""
         raise NotImplementedError
 
-    def try_submit(self, call: NodeCall) -> bool | dict[str, torch.Tensor]:
-        """Called on the event-loop thread, while ``step`` may be running on the engine's
-        thread. Return False to have the call go through ``submit`` on the engine's thread
-        before the next step; True if the call was taken (a later ``step`` returns it); or
-        the call's outputs if they are ready now. Only for what is safe across threads."""
-        return False
-
-    @property
-    def has_work(self) -> bool:
-        raise NotImplementedError
-
-    def step(self) -> list[tuple[NodeCall, dict[str, torch.Tensor] | Exception]]:
-        raise NotImplementedError
+    def kv_stats(self) -> Any:
+        """The engine's ``KvStats`` (pages used / free, preemptions), exported as
+        ``mstar_kv_*``; None without a KV cache."""
+        stats = getattr(self.engine, "kv_stats", None)
+        return stats() if stats is not None else None
 
     def forward(self, batch: Any) -> list[dict[str, torch.Tensor]]:
-        raise TypeError("an EngineNode runs through submit/step, not forward")
+        raise TypeError("an EngineNode runs through its engine (prepare / outputs), not forward")
 
     # -- tensor parallelism (a node group with tp_size > 1) ---------------------------------
     #: the ``TensorParallel`` rank this node joined when created with ``NodeContext.tp``;
@@ -179,15 +189,19 @@ class EngineNode(NodeSubmodule):
 
     def follow(self) -> None:
         """Ranks past 0: mirror rank 0's engine until its ``close``."""
-        raise TypeError(f"{type(self).__name__} does not run tensor-parallel")
+        if self.tensor_parallel is None:
+            raise TypeError(f"{type(self).__name__} does not run tensor-parallel")
+        self.engine.follow()
 
     def close(self) -> None:
         """The service is stopping (rank 0 releases its followers here)."""
+        if self.engine is not None:
+            self.engine.close()
 
     def exit_reason(self) -> str | None:
         """Why this node can no longer step (its engine process died), else None. The
         service stops on it; the conductor then fails the requests it held."""
-        return None
+        return self.engine.exit_reason() if self.engine is not None else None
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,9 @@ class NodeContext:
     cache_dir: str | None
     model_kwargs: dict[str, Any]
     tp: Any = None  # a TPSpec when the node group has tp_size > 1: join it (see EngineNode.tensor_parallel)
+    #: the walks this node group serves the node for (a node placed on two groups with
+    #: graph_walks serves some walks on each: e.g. prefill here, decode there); empty: unknown
+    walks: frozenset[str] = frozenset()
 
 
 class Model:

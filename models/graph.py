@@ -154,10 +154,25 @@ class PartitionTopology:
 @dataclass(frozen=True)
 class StreamingGraphEdge(GraphEdge):
     """An edge whose values (one per producer iteration) are buffered and cut into
-    chunks under ``policy``; ``dst`` is a node of ``topology.dst_walk``."""
+    chunks under ``policy``. Two shapes:
+
+    - ``topology=PartitionTopology(src_walk, dst_walk)``: each chunk runs one instance of
+      ``dst_walk`` (a chunk walk) whose INPUT edge named like the stream receives it.
+    - no topology: ``dst`` is a node of another Loop of the same walk, already running (a
+      Talker decode loop fed by a Thinker loop). Each iteration of ``dst`` takes the next
+      chunk (``NodeCall.chunk`` says which), waits while none is there, and once the
+      producer has finished and every chunk is taken it fires without the input (the name
+      is absent from ``NodeCall.inputs``), until its own loop stops. Back-pressure: the
+      producer's loop waits while ``max_ahead`` of its chunks are not yet taken.
+    """
 
     policy: ChunkPolicy = field(default_factory=lambda: FixedChunks(1))
     topology: PartitionTopology | None = None
+    max_ahead: int = 16  # chunks a producer may run ahead of a running loop taking them
+
+    def __post_init__(self) -> None:
+        if self.max_ahead < 1:
+            raise ValueError(f"StreamingGraphEdge.max_ahead must be >= 1, got {self.max_ahead}")
 
     @property
     def streaming(self) -> bool:

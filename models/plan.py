@@ -34,6 +34,7 @@ class EdgeKind(enum.Enum):
     EMIT = "emit"  # -> client / conductor, at every firing
     EMIT_AT_END = "emit_at_end"  # loop node -> client / conductor, once at loop end
     STREAM = "stream"  # -> a chunk walk, item per firing
+    LOOP_STREAM = "loop_stream"  # loop node -> a node of another loop of the walk, which takes a chunk per iteration
     PERSIST = "persist"  # -> a node of a later walk only (value is stored)
 
 
@@ -74,6 +75,16 @@ class NodePlan:
         return {p.edge.name for p in self.in_edges if p.kind is EdgeKind.CARRIED}
 
     @cached_property
+    def stream_slot(self) -> str | None:
+        """The input this node takes a chunk of per iteration (a stream into its running loop)."""
+        return next((p.edge.name for p in self.in_edges if p.kind is EdgeKind.LOOP_STREAM), None)
+
+    @cached_property
+    def streams_out(self) -> tuple[StreamingGraphEdge, ...]:
+        """Streams from this node into another running loop (each may hold it back)."""
+        return tuple(p.edge for p in self.out_edges if p.kind is EdgeKind.LOOP_STREAM)  # type: ignore[misc]
+
+    @cached_property
     def loop_end_outputs(self) -> tuple[str, ...]:
         """Outputs kept for the loop's end (exits, emits at the loop's end), each name once
         however many edges read it."""
@@ -106,7 +117,13 @@ class WalkPlan:
 
     @property
     def streams(self) -> list[StreamingGraphEdge]:
-        return [e for e in self.walk.edges if isinstance(e, StreamingGraphEdge)]
+        """Streams cut into chunk walks (``PartitionTopology``)."""
+        return [e for e in self.walk.edges if isinstance(e, StreamingGraphEdge) and e.topology is not None]
+
+    @property
+    def loop_streams(self) -> list[StreamingGraphEdge]:
+        """Streams into another running loop of this walk."""
+        return [e for e in self.walk.edges if isinstance(e, StreamingGraphEdge) and e.topology is None]
 
 
 def _flatten(step: Step, walk: str, loop: Loop | None, out: list[tuple[str, Loop | None]]) -> None:
@@ -166,6 +183,10 @@ def plan_walk(walk: Walk, nodes: dict[str, GraphNode], walks: dict[str, Walk]) -
             seen_slots[key] = kind
             if kind is not EdgeKind.PERSIST:
                 plans[e.dst].in_edges.append(pe)
+    for np_ in plans.values():
+        if sum(p.kind is EdgeKind.LOOP_STREAM for p in np_.in_edges) > 1:
+            raise GraphError(f"walk '{walk.name}': node '{np_.name}' takes two streams into its loop; a loop node takes "
+                             f"one stream's chunk per iteration — merge the streams in the producer")
     for lp in loops.values():
         for acc in lp.accumulate:
             if not any(p.edge.name == acc and p.kind in (EdgeKind.EXIT, EdgeKind.EMIT_AT_END)
@@ -193,6 +214,8 @@ def _classify(walk: Walk, e: GraphEdge, plans: dict[str, NodePlan], walks: dict[
         if plans[e.src].loop is None:
             raise GraphError(f"{where}: at_loop_end needs '{e.src}' inside a Loop (outside one, an emit fires once anyway)")
         return EdgeKind.EMIT_AT_END
+    if isinstance(e, StreamingGraphEdge) and e.topology is None:
+        return _classify_loop_stream(where, e, plans)
     if isinstance(e, StreamingGraphEdge):
         topo = e.topology
         if topo is None or topo.src_walk != walk.name:
@@ -223,3 +246,22 @@ def _classify(walk: Walk, e: GraphEdge, plans: dict[str, NodePlan], walks: dict[
     if dst.loop is None:
         return EdgeKind.EXIT
     raise GraphError(f"{where} connects two different loops; route it through a node between them")
+
+
+def _classify_loop_stream(where: str, e: StreamingGraphEdge, plans: dict[str, NodePlan]) -> EdgeKind:
+    """A stream into a running loop: both ends in loops of this walk, the consumer's after the producer's."""
+    src, dst = plans[e.src], plans.get(e.dst)
+    hint = ("a stream without topology feeds a running loop of the same walk; give topology=PartitionTopology(...) "
+            "to run a chunk walk per chunk instead")
+    if dst is None:
+        raise GraphError(f"{where}: '{e.dst}' does not run in this walk; {hint}")
+    if src.loop is None or dst.loop is None:
+        raise GraphError(f"{where}: both ends must be inside Loops (the producer streams one item per iteration, "
+                         f"the consumer takes one chunk per iteration); {hint}")
+    if src.loop is dst.loop:
+        raise GraphError(f"{where}: producer and consumer are in the same loop '{src.loop.name}'; a value for the "
+                         f"next iteration of the same loop is a plain (carried) GraphEdge")
+    if dst.order <= src.order:
+        raise GraphError(f"{where}: the consuming loop '{dst.loop.name}' comes before the producing loop "
+                         f"'{src.loop.name}' in the body; put the producer first (e.g. Parallel(producer, consumer))")
+    return EdgeKind.LOOP_STREAM

@@ -10,16 +10,15 @@ model, group or link) that holds the labelled children, so an observation is a m
 call on a cached child. Gauges that mirror a size (in-flight requests, queue depth) are
 read at scrape time (``set_function``) and cost nothing in between.
 
-KV-cache engines feed ``kv_pages(group, used, free)`` and ``kv_preempted(group, n)``;
-alternatively a node submodule may expose ``kv_stats() -> {"pages_used": int,
-"pages_free": int, "preemptions": int}`` (preemptions cumulative) and the node-group
-service reads it at every scrape (``watch_kv``).
+KV caches: an engine node's ``kv_stats() -> KvStats`` (pages used and free, preemptions
+so far) is read at every scrape (``watch_kv``), so the series cost nothing between scrapes.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -130,27 +129,27 @@ XDS_ENDPOINTS = Gauge("mstar_xds_endpoints", "Endpoints the control plane publis
                       ["cluster", "health"])
 XDS_PUSHES = Counter("mstar_xds_pushes", "Discovery responses sent to Envoy, by resource type", ["type"])
 
-# -- KV cache: pushed by engines or read from submodules at scrape time -----------------------
+# -- KV cache: read from engine nodes at scrape time ----------------------------------------------
+@dataclass(frozen=True)
+class KvStats:
+    """A KV cache's pages now and its preemptions so far (cumulative)."""
+
+    pages_used: int
+    pages_free: int
+    preemptions: int = 0
+
+
 class _KvCollector:
-    """mstar_kv_pages_used / _free (gauges) and mstar_kv_preemptions_total, by group."""
+    """mstar_kv_pages_used / _free (gauges) and mstar_kv_preemptions_total, by group: the sums
+    over the group's engine nodes' ``kv_stats()``, read at every scrape."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pages: dict[str, tuple[int, int]] = {}
-        self._preemptions: dict[str, float] = {}
-        self._sources: dict[str, list[Callable[[], Mapping[str, int]]]] = {}
+        self._sources: dict[str, list[Callable[[], KvStats | None]]] = {}
 
-    def pages(self, group: str, used: int, free: int) -> None:
-        self._pages[group] = (used, free)
-
-    def preempted(self, group: str, n: int) -> None:
-        with self._lock:
-            self._preemptions[group] = self._preemptions.get(group, 0) + n
-
-    def watch(self, group: str, source: Callable[[], Mapping[str, int]]) -> None:
+    def watch(self, group: str, source: Callable[[], KvStats | None]) -> None:
         with self._lock:
             self._sources.setdefault(group, []).append(source)
-            self._preemptions.setdefault(group, 0)
 
     def collect(self):
         used = GaugeMetricFamily("mstar_kv_pages_used", "KV-cache pages holding sequences", labels=["group"])
@@ -158,17 +157,14 @@ class _KvCollector:
         pre = CounterMetricFamily("mstar_kv_preemptions", "Sequences preempted (pages freed, recomputed later)",
                                   labels=["group"])
         with self._lock:
-            pages, preemptions = dict(self._pages), dict(self._preemptions)
             sources = {g: list(s) for g, s in self._sources.items()}
         for group, fns in sources.items():
-            stats = [fn() for fn in fns]
-            pages[group] = (sum(s["pages_used"] for s in stats), sum(s["pages_free"] for s in stats))
-            preemptions[group] = preemptions.get(group, 0) + sum(s.get("preemptions", 0) for s in stats)
-        for group, (u, f) in pages.items():
-            used.add_metric([group], u)
-            free.add_metric([group], f)
-        for group, n in preemptions.items():
-            pre.add_metric([group], n)
+            stats = [s for s in (fn() for fn in fns) if s is not None]
+            if not stats:
+                continue
+            used.add_metric([group], sum(s.pages_used for s in stats))
+            free.add_metric([group], sum(s.pages_free for s in stats))
+            pre.add_metric([group], sum(s.preemptions for s in stats))
         return [used, free, pre]
 
     def describe(self):
@@ -179,18 +175,8 @@ _KV = _KvCollector()
 REGISTRY.register(_KV)
 
 
-def kv_pages(group: str, used: int, free: int) -> None:
-    """An engine reports its page pool (call after each step or on change)."""
-    _KV.pages(group, used, free)
-
-
-def kv_preempted(group: str, n: int = 1) -> None:
-    """An engine preempted ``n`` sequences."""
-    _KV.preempted(group, n)
-
-
-def watch_kv(group: str, source: Callable[[], Mapping[str, int]]) -> None:
-    """Read ``source()`` (a submodule's ``kv_stats``) at every scrape."""
+def watch_kv(group: str, source: Callable[[], KvStats | None]) -> None:
+    """Read ``source()`` (an engine node's ``kv_stats``; None: it has no KV cache) at every scrape."""
     _KV.watch(group, source)
 
 

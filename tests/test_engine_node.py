@@ -1,5 +1,6 @@
-"""The runtime drives EngineNode submodules through submit/step: calls of many
-requests share engine steps, and release frees what the engine holds."""
+"""The runtime drives EngineNode submodules through their EngineDriver: calls of many
+requests share engine steps, a failed step fails its requests alone, and release frees
+what the engine holds."""
 
 import asyncio
 
@@ -12,6 +13,9 @@ from mstar.config import parse_config
 from mstar.models.base import EngineNode, InvalidArgument, Model, Output, RequestState, WalkSeed
 from mstar.models.graph import EMIT_TO_CLIENT, INPUT, EngineType, GraphEdge, GraphNode, Loop, Modality, Walk
 from mstar.models.registry import register
+from mstar.services.engines.kv_engine import StepFailed
+from mstar.services.engines.seq_engine import SeqOutput
+from mstar.services.engines.sequence import SeqStatus
 from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
@@ -20,44 +24,74 @@ from helpers import collect, run, wait_released
 ENGINES: list["CountingEngine"] = []
 
 
-class CountingEngine(EngineNode):
-    """Each call needs `work` steps (first call of a request: 3, like a chunked prefill;
-    later ones: 1). Every step advances every pending call: continuous batching."""
-
-    blocking = False
+class CountingEngine:
+    """A fake sequence engine (the surface of seq_engine.LocalSeqEngine): a sequence's first
+    output needs 3 steps (like a chunked prefill), later ones 1; every step advances every
+    sequence (continuous batching), whether or not its loop asked for the token yet."""
 
     def __init__(self):
-        self.pending: dict[str, list] = {}  # request -> [call, steps left]
+        self.seqs: dict[str, list] = {}  # request -> [seed, outputs so far, steps to next output, n]
         self.batch_sizes: list[int] = []
+        self.explode: dict[str, int] = {}
         ENGINES.append(self)
 
-    def submit(self, call):
-        assert call.request_id not in self.pending
-        self.pending[call.request_id] = [call, 3 if call.iteration == 0 else 1]
+    def submit(self, rid, work):
+        assert rid not in self.seqs
+        seed, n, explode_at = work
+        self.seqs[rid] = [seed, 0, 3, n]
+        if explode_at is not None:
+            self.explode[rid] = explode_at
 
     @property
     def has_work(self):
-        return bool(self.pending)
+        return bool(self.seqs)
 
     def step(self):
-        self.batch_sizes.append(len(self.pending))
-        done = []
-        for rid, entry in list(self.pending.items()):
-            entry[1] -= 1
-            if entry[1] == 0:
-                call = entry[0]
-                del self.pending[rid]
-                if call.kwargs.get("explode_at") == call.iteration:
-                    done.append((call, RuntimeError("engine exploded")))
-                    continue
-                done.append((call, {"tok": torch.tensor([call.iteration * 10 + int(call.inputs["seed"])])}))
-        return done
+        self.batch_sizes.append(len(self.seqs))
+        outs = []
+        for rid, s in list(self.seqs.items()):
+            s[2] -= 1
+            if s[2]:
+                continue
+            if self.explode.get(rid) == s[1]:
+                del self.seqs[rid]
+                err = StepFailed([rid])
+                err.__cause__ = RuntimeError("engine exploded")
+                raise err
+            tok = s[1] * 10 + s[0]
+            s[1], s[2] = s[1] + 1, 1
+            done = s[1] >= s[3]
+            if done:
+                del self.seqs[rid]
+            outs.append(SeqOutput(rid, tok, SeqStatus.FINISHED_LENGTH if done else SeqStatus.RUNNING))
+        return outs
+
+    def release(self, rid):
+        self.seqs.pop(rid, None)
+
+    def close(self):
+        pass
+
+    def exit_reason(self):
+        return None
+
+
+class CountingNode(EngineNode):
+    blocking = False
+
+    def __init__(self):
+        self.engine = CountingEngine()
+
+    def prepare(self, call):
+        if call.iteration == 0:
+            return (int(call.inputs["seed"]), call.kwargs["n"], call.kwargs.get("explode_at"))
+        return None
+
+    def outputs(self, call, out):
+        return {"tok": torch.tensor([-1 if out is None else out.token_id])}
 
     def check_stop(self, call, outputs):
         return call.iteration + 1 >= call.kwargs["n"]
-
-    def release(self, request_id):
-        self.pending.pop(request_id, None)
 
 
 class Counter(Model):
@@ -83,7 +117,7 @@ class Counter(Model):
         return [Output("tok", Modality.LATENT, tensor=emit.tensor)]
 
     def create_submodule(self, ctx):
-        return CountingEngine()
+        return CountingNode()
 
 
 register("counter", f"{__name__}:Counter")
@@ -97,7 +131,7 @@ def req(seed, **kw):
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["on-the-loop", "engine-thread"])
 def test_engine_node_batches_across_requests_and_releases(blocking, monkeypatch):
-    monkeypatch.setattr(CountingEngine, "blocking", blocking)  # True: it steps on the node group's engine thread
+    monkeypatch.setattr(CountingNode, "blocking", blocking)  # True: it steps on the node group's engine thread
     ENGINES.clear()
 
     async def go():
@@ -117,14 +151,15 @@ def test_engine_node_batches_across_requests_and_releases(blocking, monkeypatch)
             await call.read()
             call.cancel()
             await wait_released(mesh)
+            driver = mesh.runtime("lm").drivers["lm"]
             for _ in range(100):  # engine releases happen between engine steps
-                if not engine.pending:
+                if not engine.seqs and not driver._held:
                     break
                 await asyncio.sleep(0.01)
-            assert engine.pending == {} and mesh.runtime("lm")._in_engine == {}
+            assert engine.seqs == {} and driver._waiting == {} and driver._held == set() and driver._early == {}
     run(go())
 
 
 def test_engine_node_rejects_forward():
-    with pytest.raises(TypeError, match="submit/step"):
-        CountingEngine().forward([])
+    with pytest.raises(TypeError, match="prepare / outputs"):
+        CountingNode().forward([])

@@ -85,7 +85,7 @@ def toy_cfg(groups, **extra):
     return parse_config({"model": "toy", "node_groups": groups, **extra})
 
 
-ALL = ["rot", "keep", "combine", "decoder", "tally", "synth", "meter", "captioner", "blob_source", "blob_sink"]
+ALL = ["rot", "keep", "combine", "decoder", "tally", "synth", "meter", "captioner", "echo", "blob_source", "blob_sink"]
 
 
 @pytest.mark.parametrize("data,message", [

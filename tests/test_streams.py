@@ -100,30 +100,29 @@ def test_remote_stream_sends_one_frame_per_chunk_and_the_receiver_cuts_the_same_
     """A sender holds stream rows until they complete a chunk the receiver will cut."""
     from mstar.config import Placement
     from mstar.models.registry import create_model
-    from mstar.services.links import Links
+    from mstar.services.node_group.requests import RequestCtx, Send
     from mstar.services.node_group.router import Router
-    from mstar.services.transport import Protocol
 
     config = toy_config()  # decoder streams to the 'audio' group under all three policies
     model = create_model(config.model, config.model_kwargs)
-    router = Router("decoder", model, Placement(config, model), Links("decoder", Protocol.TCP, lambda *a: None),
-                    spawn=lambda *a: None)
-    sent = []
-    router.deliver = lambda req, inst, dst, name, it, value, targets, done=False: sent.append((dst, value, done))
+    router = Router("decoder", model, Placement(config, model))
     plan = model.plans["generate"]
     edges = plan.streams
     assert {router.placement.host(e.topology.dst_walk, e.dst) for e in edges} == {"audio"}
     for n in (3, 8, 13, 29):
-        inst = router.new_instance(("generate", 0, -1))
+        req = RequestCtx("r", kwargs={})
+        inst = router.instance(req, ("generate", 0, -1))
         for e in edges:
-            sent.clear()
+            out = []
             direct = Chunker(e.policy)
             expected = []
             for i in range(n):
                 item = torch.tensor([i]) if i % 5 != 2 else torch.empty(0, dtype=torch.int64)  # some steps stream nothing
                 expected += direct.push(item)
-                router.stream(None, inst, e, i, item)
+                router._stream(req, inst, e, i, item, out)
             expected += direct.finish()
+            assert all(type(s) is Send and s.target == "audio" and not s.frame.done for s in out)
+            sent = [(e.dst, s.tensors[0][1], False) for s in out]
             sent.append((e.dst, router.held_back(inst, e), True))  # what flush_loop_outputs sends
             receiver, got = Chunker(e.policy), []
             for _, value, done in sent:

@@ -156,13 +156,12 @@ def test_a_request_without_a_route_to_a_group_fails_unavailable(toy_config):
 
     from mstar.config import Placement
     from mstar.models.registry import create_model
-    from mstar.services.links import Links
-    from mstar.services.node_group.router import RequestFailed, Router
+    from mstar.services.node_group.requests import RequestFailed
+    from mstar.services.node_group.runtime import NodeGroupRuntime
 
     config = toy_config()
     model = create_model(config.model, config.model_kwargs)
-    links = Links("encoder", Protocol.TCP, lambda *a: None)
-    router = Router("encoder", model, Placement(config, model), links, spawn=lambda *a: None)
+    router = NodeGroupRuntime("encoder", model, Placement(config, model), {}, "127.0.0.1:1", Protocol.TCP)
 
     class Req:
         routes: dict = {}

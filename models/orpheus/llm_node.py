@@ -1,9 +1,9 @@
 """The Orpheus LLM node: a KV-cache engine behind the EngineNode interface.
 
-A ``prefill`` call adds the request to the engine and completes with the first sampled
+A ``prefill`` call starts the request's sequence and completes with the first sampled
 token. Each ``decode`` iteration completes with the next token; the engine decodes every
 running request each step (continuous batching), so a token may be ready before its
-iteration asks for it — it waits in a small per-request buffer. Each iteration also
+iteration asks for it (the node group's EngineDriver holds it meanwhile). Each iteration also
 streams the audio code of the token it was given, validated for its frame position;
 tokens that are not a valid code there are dropped without advancing the position, as
 the official Orpheus decoder does.
@@ -12,8 +12,6 @@ the official Orpheus decoder does.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ from mstar.services.engines.engine_process import EngineProcess
 from mstar.services.engines.kv_engine import EngineConfig, KVCacheEngine
 from mstar.services.engines.llama import LlamaForCausalLM
 from mstar.services.engines.sampling import SamplingParams
+from mstar.services.engines.seq_engine import LocalSeqEngine, SeqOutput, StartSeq
 from mstar.services.engines.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -122,110 +121,35 @@ class OrpheusLLM(EngineNode):
     def __init__(self, checkpoint: Path, ctx: NodeContext):
         config = engine_config(ctx)
         if use_engine_process(ctx):
-            self.tensor_parallel = None
-            self.engine: KVCacheEngine | EngineProcess = EngineProcess(ctx.node, build_engine, (checkpoint, ctx.device, config))
+            self.engine: LocalSeqEngine | EngineProcess = EngineProcess(ctx.node, build_engine, (checkpoint, ctx.device, config))
+            where = f"engine process pid {self.engine.proc.pid}"
         else:
             tp = self.tensor_parallel = TensorParallel(ctx.tp, ctx.device) if ctx.tp is not None else None
-            self.engine = build_engine(checkpoint, ctx.device, config, tp)
+            self.engine = LocalSeqEngine(build_engine(checkpoint, ctx.device, config, tp))
+            where = "in process"
         self.cycle = CODE_CYCLE if ctx.model_kwargs.get("constrain_codes", True) else ()
-        self.pending: dict[str, NodeCall] = {}
-        self.buffered: dict[str, deque[int]] = {}
-        self.finished: set[str] = set()
-        self.ready: list[tuple[NodeCall, dict | Exception]] = []
-        self.lock = threading.Lock()  # pending / buffered / finished: engine thread and event loop
-        where = f"engine process pid {self.engine.proc.pid}" if isinstance(self.engine, EngineProcess) else "in process"
         log.info("orpheus llm loaded from %s on %s (%s)", checkpoint, ctx.device, where)
 
     # -- EngineNode ----------------------------------------------------------------------
-    def follow(self) -> None:
-        self.engine.follow()
+    def prepare(self, call: NodeCall) -> StartSeq | None:
+        """A prefill call starts the request's sequence; each decode call takes its next token."""
+        if call.walk != "prefill":
+            return None
+        kw = call.kwargs
+        params = SamplingParams(temperature=float(kw["temperature"]), top_p=float(kw["top_p"]),
+                                repetition_penalty=float(kw["repetition_penalty"]), seed=kw["seed"],
+                                stop_token_ids=(END_OF_SPEECH,), max_tokens=int(kw["max_tokens"]),
+                                allowed_token_cycle=self.cycle)
+        return StartSeq(call.inputs["prompt_ids"].tolist(), params, key=("llm", "prefill"))
 
-    def close(self) -> None:
-        self.engine.close()
-
-    def exit_reason(self) -> str | None:
-        return self.engine.exit_reason() if isinstance(self.engine, EngineProcess) else None
-
-    def submit(self, call: NodeCall) -> None:
-        rid = call.request_id
-        if call.walk == "prefill":
-            kw = call.kwargs
-            params = SamplingParams(temperature=float(kw["temperature"]), top_p=float(kw["top_p"]),
-                                    repetition_penalty=float(kw["repetition_penalty"]), seed=kw["seed"],
-                                    stop_token_ids=(END_OF_SPEECH,), max_tokens=int(kw["max_tokens"]),
-                                    allowed_token_cycle=self.cycle)
-            self.engine.add_request(rid, call.inputs["prompt_ids"].tolist(), params, key=("llm", "prefill"))
-            with self.lock:
-                self.pending[rid] = call
-            return
-        taken = self.try_submit(call)
-        if taken is not True:
-            self.ready.append((call, taken))  # type: ignore[arg-type]
-
-    def try_submit(self, call: NodeCall) -> bool | dict[str, torch.Tensor]:
-        """A decode call (safe from the event loop's thread: the token buffers are shared with
-        ``step`` under a lock): its token if already drawn, else wait for the step that draws it."""
-        if call.walk == "prefill":
-            return False  # adds a sequence to the engine: the engine's thread only
-        rid = call.request_id
-        ended = False
-        with self.lock:
-            buf = self.buffered.get(rid)
-            if buf:
-                token = buf.popleft()
-            elif rid in self.finished:  # the engine stopped at max_tokens (a sampled stop token came as a token): end the loop
-                token, ended = END_OF_SPEECH, True
-            else:
-                self.pending[rid] = call
-                return True
-        return self._outputs(call, token, ended)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.ready) or self.engine.has_work
-
-    def step(self) -> list[tuple[NodeCall, dict | Exception]]:
-        done, self.ready = self.ready, []
-        if not self.engine.has_work:
-            return done
-        answered = []
-        events = self.engine.step()
-        with self.lock:
-            for ev in events:
-                rid = ev.request_id
-                if ev.status.finished:
-                    self.finished.add(rid)
-                call = self.pending.pop(rid, None)
-                if ev.token_id is None:  # aborted inside the engine (its timeout)
-                    if call is not None:
-                        done.append((call, RuntimeError(f"request {rid} was aborted by the KV-cache engine")))
-                    continue
-                if call is None:
-                    self.buffered.setdefault(rid, deque()).append(ev.token_id)
-                else:
-                    answered.append((call, ev.token_id))
-        done += [(call, self._outputs(call, token)) for call, token in answered]
-        return done
-
-    def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:
-        # Iteration i streams the token it was given and returns the next one; the engine
-        # ends at end-of-speech or max_tokens, after which `submit` answers END_OF_SPEECH —
-        # so the loop stops only once the last real token has been streamed.
-        return outputs["token"].item() == END_OF_SPEECH
-
-    def release(self, request_id: str) -> None:
-        self.engine.release(request_id)
-        with self.lock:
-            self.pending.pop(request_id, None)
-            self.buffered.pop(request_id, None)
-            self.finished.discard(request_id)
-
-    # -- helpers -------------------------------------------------------------------------
-    def _outputs(self, call: NodeCall, token: int, ended: bool = False) -> dict[str, torch.Tensor]:
+    def outputs(self, call: NodeCall, output: SeqOutput | None) -> dict[str, torch.Tensor]:
         """A call's outputs: the next ``token``; for decode also the code of the token it was
         given and, read once at the loop's end, ``finish``: [why the stream ends (FINISH_*),
-        tokens the LLM sampled in all]. ``ended``: ``token`` is no sample but the end-of-speech
-        that stops the loop once the engine finished the sequence at max_tokens."""
+        tokens the LLM sampled in all]. Once the engine finished the sequence (at end-of-speech
+        or max_tokens) and its tokens are taken, the next decode call answers END_OF_SPEECH:
+        that iteration streams the last real token, and the loop stops."""
+        ended = output is None
+        token = END_OF_SPEECH if ended else output.token_id
         out = {"token": scalar(token)}
         if call.walk == "decode":
             given = call.inputs["token"].item()
@@ -241,6 +165,11 @@ class OrpheusLLM(EngineNode):
                 out["finish"] = scalar(FINISH_NONE)  # not the last iteration: never read
         return out
 
+    def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:
+        # Iteration i streams the token it was given and returns the next one (see outputs)
+        return outputs["token"].item() == END_OF_SPEECH
+
+    # -- helpers -------------------------------------------------------------------------
     @staticmethod
     def _code(call: NodeCall, token: int) -> torch.Tensor:
         n = call.state.get("codes", 0)
@@ -249,11 +178,3 @@ class OrpheusLLM(EngineNode):
             return NO_CODE
         call.state["codes"] = n + 1
         return scalar(code)
-
-    @property
-    def kv_stats(self) -> tuple[int, int]:
-        """(pages used, pages free) of the paged KV cache."""
-        if isinstance(self.engine, EngineProcess):
-            return self.engine.pages
-        alloc = self.engine.cache.allocator
-        return alloc.num_used, alloc.num_free

@@ -9,6 +9,13 @@ It "translates" a prompt with ROT13, byte by byte:
 - chunk walks ``speak`` (sliding window -> audio), ``measure`` (fixed chunks ->
   latent levels) and ``caption`` (left context -> text).
 
+With ``duet`` set, walk ``duet`` replaces ``generate``: the decoder's loop streams its bytes
+(two a chunk) into ``echo``, a second loop already running beside it (a stream into a running
+loop, as a Talker takes a Thinker's output): each echo iteration takes the next chunk and
+emits it through ROT13 again (the prompt's own bytes), waits while it has caught up, holds
+the decoder back once 4 chunks wait untaken, and after the decoder has finished iterates
+``echo_tail`` more times (a "." each) before it stops.
+
 With ``relay_bytes`` set, a request instead runs only walk ``relay``: ``blob_source``
 hands a tensor of that many bytes to ``blob_sink``, which reports how long the
 hand-over took (the mesh benchmark's tensor-transfer measurement).
@@ -164,6 +171,23 @@ class Captioner(_PerCall):
         return {"caption": rot13(fresh)}  # ROT13 twice: the prompt's own bytes
 
 
+class Echo(_PerCall):
+    def is_blocking(self, calls: list[NodeCall]) -> bool:
+        return any(c.kwargs.get("echo_delay_ms", 0) > 0 for c in calls)
+
+    def one(self, call):
+        delay = call.kwargs.get("echo_delay_ms", 0)
+        if delay:
+            time.sleep(delay / 1000.0)
+        if "token" in call.inputs:  # the next chunk of the decoder's stream
+            return {"echo": rot13(call.inputs["token"])}
+        call.state["tail"] = call.state.get("tail", 0) + 1  # the stream has ended: no input any more
+        return {"echo": torch.tensor([ord(".")])}
+
+    def check_stop(self, call, outputs):
+        return call.state.get("tail", 0) >= call.kwargs.get("echo_tail", 2)
+
+
 class BlobSource(_PerCall):
     def one(self, call):
         n = int(call.inputs["size"])
@@ -182,8 +206,10 @@ class BlobSink(_PerCall):
 
 _SUBMODULES: dict[str, type[NodeSubmodule]] = {
     "rot": Rot, "keep": Keep, "combine": Combine, "decoder": Decoder, "tally": Tally,
-    "synth": Synth, "meter": Meter, "captioner": Captioner, "blob_source": BlobSource, "blob_sink": BlobSink,
+    "synth": Synth, "meter": Meter, "captioner": Captioner, "echo": Echo, "blob_source": BlobSource,
+    "blob_sink": BlobSink,
 }
+ECHO_AHEAD = 4  # chunks the decoder may run ahead of echo in walk duet
 MAX_RELAY_BYTES = 1 << 30
 
 
@@ -195,6 +221,9 @@ class ToyModel(Model):
         def stream(dst: str, walk: str, policy) -> StreamingGraphEdge:
             return StreamingGraphEdge("decoder", dst, "token", policy=policy, topology=PartitionTopology("generate", walk))
 
+        def decode_loop(accumulate=frozenset()) -> Loop:
+            return Loop("decoder", max_iters=MAX_PROMPT_BYTES, stop_node="decoder", accumulate=accumulate, name="decode")
+
         return [
             Walk("encode", Sequential(Parallel("rot", "keep"), "combine"), [
                 GraphEdge(INPUT, "rot", "tokens"),
@@ -204,8 +233,7 @@ class ToyModel(Model):
                 GraphEdge("keep", "combine", "changed"),
                 GraphEdge("combine", "decoder", "text_state", persist=True),
             ]),
-            Walk("generate", Sequential(Loop("decoder", max_iters=MAX_PROMPT_BYTES, stop_node="decoder",
-                                             accumulate=frozenset({"generated"}), name="decode"), "tally"), [
+            Walk("generate", Sequential(decode_loop(frozenset({"generated"})), "tally"), [
                 GraphEdge(INPUT, "decoder", "text_state"),
                 GraphEdge("decoder", "decoder", "prev"),
                 GraphEdge("decoder", EMIT_TO_CLIENT, "text", modality=Modality.TEXT),
@@ -214,6 +242,13 @@ class ToyModel(Model):
                 stream("synth", "speak", SlidingWindow(window=8, stride=4)),
                 stream("meter", "measure", FixedChunks(size=4, continue_after_done=True)),
                 stream("captioner", "caption", LeftContext(chunk=3, left_context=2)),
+            ]),
+            Walk("duet", Parallel(decode_loop(), Loop("echo", max_iters=MAX_PROMPT_BYTES + 16, stop_node="echo", name="echo")), [
+                GraphEdge(INPUT, "decoder", "text_state"),
+                GraphEdge("decoder", "decoder", "prev"),
+                GraphEdge("decoder", EMIT_TO_CLIENT, "text", modality=Modality.TEXT),
+                StreamingGraphEdge("decoder", "echo", "token", policy=FixedChunks(size=2), max_ahead=ECHO_AHEAD),
+                GraphEdge("echo", EMIT_TO_CLIENT, "echo", modality=Modality.TEXT),
             ]),
             Walk("speak", "synth", [GraphEdge(INPUT, "synth", "token"),
                                     GraphEdge("synth", EMIT_TO_CLIENT, "audio", modality=Modality.AUDIO)]),
@@ -229,7 +264,7 @@ class ToyModel(Model):
         ]
 
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        allowed = {"max_tokens", "stop", "delay_ms", "fail_at", "relay_bytes"}
+        allowed = {"max_tokens", "stop", "delay_ms", "fail_at", "relay_bytes", "duet", "echo_delay_ms", "echo_tail"}
         for key in kwargs:
             if key not in allowed:
                 raise InvalidArgument(f"model_kwargs.{key}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
@@ -242,11 +277,21 @@ class ToyModel(Model):
             if not isinstance(s, str) or len(s.encode()) != 1:
                 raise InvalidArgument("model_kwargs.stop", "must be a single ASCII character")
             out["stop"] = s
-        if "delay_ms" in kwargs:
-            d = kwargs["delay_ms"]
-            if not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d <= 10_000:
-                raise InvalidArgument("model_kwargs.delay_ms", "must be a number of milliseconds in [0, 10000]")
-            out["delay_ms"] = float(d)
+        for name in ("delay_ms", "echo_delay_ms"):
+            if name in kwargs:
+                d = kwargs[name]
+                if not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d <= 10_000:
+                    raise InvalidArgument(f"model_kwargs.{name}", "must be a number of milliseconds in [0, 10000]")
+                out[name] = float(d)
+        if "duet" in kwargs:
+            if not isinstance(kwargs["duet"], bool):
+                raise InvalidArgument("model_kwargs.duet", "must be true or false")
+            out["duet"] = kwargs["duet"]
+        if "echo_tail" in kwargs:
+            t = kwargs["echo_tail"]
+            if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= 16:
+                raise InvalidArgument("model_kwargs.echo_tail", "must be an integer in [1, 16]")
+            out["echo_tail"] = t
         if "fail_at" in kwargs:
             f = kwargs["fail_at"]
             if not isinstance(f, int) or isinstance(f, bool) or f < 0:
@@ -269,6 +314,7 @@ class ToyModel(Model):
         state.data["tokens"] = torch.tensor(list(data), dtype=torch.int64)
         state.data["text_dec"] = codecs.getincrementaldecoder("utf-8")("replace")
         state.data["caption_dec"] = codecs.getincrementaldecoder("utf-8")("replace")
+        state.data["echo_dec"] = codecs.getincrementaldecoder("utf-8")("replace")
         return state
 
     def next_walk(self, state: RequestState, finished: str | None) -> WalkSeed | None:
@@ -278,7 +324,7 @@ class ToyModel(Model):
         if finished is None:
             return WalkSeed("encode", {"tokens": state.data["tokens"]})
         if finished == "encode":
-            return WalkSeed("generate")
+            return WalkSeed("duet" if state.prompt.kwargs.get("duet") else "generate")
         return None
 
     def postprocess(self, state: RequestState, emit: Emit) -> list[Output]:
@@ -289,8 +335,8 @@ class ToyModel(Model):
                 state.finish_reason = "length"
             text = state.data["text_dec"].decode(bytes(t.tolist()))
             return [Output("text", Modality.TEXT, text=text, token_ids=t.tolist())]
-        if emit.name == "caption":
-            return [Output("caption", Modality.TEXT, text=state.data["caption_dec"].decode(bytes(t.tolist())))]
+        if emit.name == "caption" or emit.name == "echo":
+            return [Output(emit.name, Modality.TEXT, text=state.data[f"{emit.name}_dec"].decode(bytes(t.tolist())))]
         if emit.name == "audio":
             # int16 PCM, rounded half to even (as torch.round); numpy: a few µs less per chunk
             pcm = np.rint(np.clip(t.numpy(), -1, 1) * np.float32(32767)).astype(np.int16).tobytes()

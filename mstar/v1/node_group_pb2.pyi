@@ -18,6 +18,7 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FRAME_KIND_EMIT: _ClassVar[FrameKind]
     FRAME_KIND_FRAGMENT_DONE: _ClassVar[FrameKind]
     FRAME_KIND_FAIL: _ClassVar[FrameKind]
+    FRAME_KIND_STREAM_TAKEN: _ClassVar[FrameKind]
 FRAME_KIND_UNSPECIFIED: FrameKind
 FRAME_KIND_DATA: FrameKind
 FRAME_KIND_START_WALK: FrameKind
@@ -26,6 +27,7 @@ FRAME_KIND_RELEASE: FrameKind
 FRAME_KIND_EMIT: FrameKind
 FRAME_KIND_FRAGMENT_DONE: FrameKind
 FRAME_KIND_FAIL: FrameKind
+FRAME_KIND_STREAM_TAKEN: FrameKind
 
 class FrameError(_message.Message):
     __slots__ = ("code", "message")

@@ -4,12 +4,13 @@ In the service's own process the engine's stepping thread and the event loop (fr
 routing, per-token walk bookkeeping) share one GIL: at high concurrency each waits on
 the other and the GPU idles between steps. ``EngineProcess`` runs the engine in a
 process of its own that steps back to back for as long as it has sequences, and sends
-each step's sampled tokens up a pipe; the service keeps only the bookkeeping.
+each step's outputs up a pipe; the service keeps only the bookkeeping.
 
-It offers the part of ``KVCacheEngine`` that scheduled generation uses (``add_request``,
-``step``, ``has_work``, ``release``, ``close``, page counts), so an engine node can hold
-either. ``step`` here waits for the next batch of events from the child (the GIL is free
-while it waits) and returns everything that arrived meanwhile.
+It offers the sequence-engine surface of ``LocalSeqEngine`` (seq_engine.py: ``submit``,
+``step``, ``has_work``, ``release``, ``close``, ``kv_stats``), so an engine node can hold
+either; the child runs a ``LocalSeqEngine``. ``step`` here waits for the next batch of
+outputs from the child (the GIL is free while it waits) and returns everything that
+arrived meanwhile. The two ends speak the typed messages below.
 
 Lifetimes: the child exits when the service closes it, when the command pipe reaches EOF
 (the service died) or, on Linux, when its parent dies (PR_SET_PDEATHSIG). A child that
@@ -24,19 +25,62 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
+from mstar.metrics import KvStats
 from mstar.services.engines.kv_engine import KVCacheEngine, StepFailed
-from mstar.services.engines.sampling import SamplingParams
-from mstar.services.engines.scheduler import SeqEvent
-from mstar.services.engines.sequence import SeqStatus
+from mstar.services.engines.seq_engine import ImportSeq, LocalSeqEngine, SeqOutput, SeqWork
 
 log = logging.getLogger(__name__)
-PIPE_BYTES = 1 << 20  # a service busy routing lets ~1 MiB of events queue before the child waits
+PIPE_BYTES = 1 << 20  # a service busy routing lets ~1 MiB of outputs queue before the child waits
 POLL_S = 0.05  # how often a waiting ``step`` checks that the child is alive and still has work
 _F_SETPIPE_SZ = 1031
+
+
+# -- service -> child ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    request_id: str
+    work: SeqWork
+
+
+@dataclass(frozen=True)
+class Release:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+# -- child -> service ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Started:
+    pid: int
+    cuda_graphs: bool
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """One step's outputs (refusals of submitted work included)."""
+
+    outputs: list[SeqOutput]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A step raised; its requests were released in the child."""
+
+    request_ids: list[str]
+    why: str
 
 
 class EngineProcessDied(RuntimeError):
@@ -54,34 +98,34 @@ class EngineProcess:
         for conn in (cmd_r, ev_w):
             _widen(conn)
         level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
-        self._pages = ctx.RawArray("q", 2)  # (used, free): the child writes them after every step and command
-        self.proc = ctx.Process(target=_child, args=(name, factory, args, cmd_r, ev_w, self._pages, level),
+        self._stats = ctx.RawArray("q", 3)  # (pages used, free, preemptions): the child writes them after every step
+        self.proc = ctx.Process(target=_child, args=(name, factory, args, cmd_r, ev_w, self._stats, level),
                                 name=f"engine-{name}", daemon=True)
         self.proc.start()
         cmd_r.close()
         ev_w.close()
-        self._send_lock = threading.Lock()  # submits come from the engine thread, releases from the loop
-        self._live: set[str] = set()  # added and neither finished nor released
+        self._live: set[str] = set()  # submitted and neither finished nor released
         self._dead: str | None = None
         self.steps = 0
-        kind, *rest = self._recv_blocking()
-        if kind == "error":
+        msg = self._recv_blocking()
+        if isinstance(msg, StartFailed):
             self.proc.join(5)
-            raise RuntimeError(f"engine process '{name}' failed to start:\n{rest[0]}")
-        assert kind == "ready", kind
-        self.info = rest[0]
+            raise RuntimeError(f"engine process '{name}' failed to start:\n{msg.traceback}")
+        assert isinstance(msg, Started), msg
+        self.info = msg
 
-    # -- the KVCacheEngine surface ---------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                    key: tuple[str, str] = ("", ""), timeout_s: float | None = None) -> None:
-        self._send(("add", request_id, list(prompt_ids), params, key, timeout_s))
+    # -- the sequence-engine surface -----------------------------------------------------------
+    def submit(self, request_id: str, work: SeqWork) -> None:
+        if isinstance(work, ImportSeq) and work.kv.device.type != "cpu":  # see _kv_to_host
+            work = replace(work, kv=work.kv.cpu())
+        self._send(Submit(request_id, work))
         self._live.add(request_id)
 
     def release(self, request_id: str) -> None:
         self._live.discard(request_id)
         if self._dead is None:
             try:
-                self._send(("release", request_id))
+                self._send(Release(request_id))
             except EngineProcessDied:
                 pass  # nothing left to free
 
@@ -89,27 +133,24 @@ class EngineProcess:
     def has_work(self) -> bool:
         return bool(self._live)
 
-    @property
-    def pages(self) -> tuple[int, int]:
-        """(used, free) KV pages in the child, as of its last step or command."""
-        return self._pages[0], self._pages[1]
+    def kv_stats(self) -> KvStats:
+        """As of the child's last step or command."""
+        return KvStats(*self._stats)
 
-    def step(self) -> list[SeqEvent]:
-        """The events of the child's next step(s): waits until a message arrives (or nothing
+    def step(self) -> list[SeqOutput]:
+        """The outputs of the child's next step(s): waits until a message arrives (or nothing
         is left to wait for: every request was released meanwhile), then takes all that came."""
-        out: list[SeqEvent] = []
+        out: list[SeqOutput] = []
         msg = self._recv_blocking(while_live=True)
         while msg is not None:
-            failed = self._apply(msg, out)
-            if failed is not None:
-                raise failed
+            self._apply(msg, out)
             msg = self._events.recv() if self._events.poll() else None
         return out
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self._dead is None and self.proc.is_alive():
             try:
-                self._send(("close",))
+                self._send(Close())
             except EngineProcessDied:
                 pass
         self.proc.join(timeout_s)
@@ -127,17 +168,19 @@ class EngineProcess:
             self._died()
         return None if self._dead == "closed" else self._dead
 
-    # -- plumbing ------------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
+    def follow(self) -> None:
+        raise TypeError("an engine process does not run tensor-parallel")
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
         if self._dead is not None:
             raise EngineProcessDied(self._dead)
         try:
-            with self._send_lock:
-                self._cmds.send(msg)
+            self._cmds.send(msg)
         except (BrokenPipeError, OSError):
             raise self._died() from None
 
-    def _recv_blocking(self, while_live: bool = False) -> tuple | None:
+    def _recv_blocking(self, while_live: bool = False):
         """The next message; None once ``while_live`` and no request is left in the engine."""
         while self._dead is None:
             if self._events.poll(POLL_S):
@@ -161,33 +204,22 @@ class EngineProcess:
             self._live.clear()
         return EngineProcessDied(self._dead)
 
-    def _apply(self, msg: tuple, out: list[SeqEvent]) -> Exception | None:
-        kind = msg[0]
-        if kind == "events":
-            _, events = msg
+    def _apply(self, msg, out: list[SeqOutput]) -> None:
+        if isinstance(msg, Outputs):
             self.steps += 1
-            for rid, token, status in events:
-                if rid not in self._live:
+            for o in msg.outputs:
+                if o.request_id not in self._live:
                     continue  # released meanwhile
-                st = SeqStatus(status)
-                if st.finished:
-                    self._live.discard(rid)
-                out.append(SeqEvent(rid, token, st))
-            return None
-        if kind == "rejected":  # add_request raised in the child: that request id alone ends
-            _, rid, why = msg
-            if rid in self._live:
-                self._live.discard(rid)
-                log.error("engine process '%s' refused request %s: %s", self.name, rid, why)
-                out.append(SeqEvent(rid, None, SeqStatus.FINISHED_ABORTED))
-            return None
-        if kind == "failed":  # a step raised: its requests were released in the child
-            _, rids, why = msg
-            self._live.difference_update(rids)
-            err = StepFailed(rids)
-            err.__cause__ = RuntimeError(why)
-            return err
-        raise AssertionError(f"engine process '{self.name}' sent {kind!r}")
+                if o.finished:
+                    self._live.discard(o.request_id)
+                out.append(o)
+        elif isinstance(msg, Failed):
+            self._live.difference_update(msg.request_ids)
+            err = StepFailed(msg.request_ids)
+            err.__cause__ = RuntimeError(msg.why)
+            raise err
+        else:
+            raise AssertionError(f"engine process '{self.name}' sent {msg!r}")
 
 
 def _widen(conn) -> None:
@@ -197,7 +229,7 @@ def _widen(conn) -> None:
         pass  # above /proc/sys/fs/pipe-max-size: the default size still works
 
 
-def _child(name: str, factory: Callable[..., KVCacheEngine], args: tuple, cmds, events, pages, level: int) -> None:
+def _child(name: str, factory: Callable[..., KVCacheEngine], args: tuple, cmds, events, stats, level: int) -> None:
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [engine:{name}] %(name)s: %(message)s")
     try:
         import ctypes
@@ -206,19 +238,19 @@ def _child(name: str, factory: Callable[..., KVCacheEngine], args: tuple, cmds, 
     except OSError:
         pass
     try:
-        engine = factory(*args)
+        engine = LocalSeqEngine(factory(*args))
     except BaseException:
-        events.send(("error", traceback.format_exc()))
+        events.send(StartFailed(traceback.format_exc()))
         return
-    alloc = engine.cache.allocator
 
-    def count_pages() -> None:
-        pages[0], pages[1] = alloc.num_used, alloc.num_free
+    def count() -> None:
+        s = engine.kv_stats()
+        stats[0], stats[1], stats[2] = s.pages_used, s.pages_free, s.preemptions
 
-    count_pages()
-    events.send(("ready", {"pid": os.getpid(), "cuda_graphs": engine.cuda_graphs}))
+    count()
+    events.send(Started(os.getpid(), engine.engine.cuda_graphs))
     try:
-        _serve(engine, cmds, events, count_pages)
+        _serve(engine, cmds, events, count)
     except (EOFError, BrokenPipeError):
         pass  # the service is gone
     finally:
@@ -228,39 +260,34 @@ def _child(name: str, factory: Callable[..., KVCacheEngine], args: tuple, cmds, 
             log.exception("closing the engine failed")
 
 
-def _serve(engine: KVCacheEngine, cmds, events, count_pages: Callable[[], None]) -> None:
+def _serve(engine: LocalSeqEngine, cmds, events, count: Callable[[], None]) -> None:
     while True:
         # idle: wait for a command; busy: take what has arrived, then step
         while not engine.has_work or cmds.poll():
             msg = cmds.recv()
-            if msg[0] == "close":
+            if isinstance(msg, Close):
                 return
-            _command(engine, msg, events)
-            count_pages()
+            if isinstance(msg, Submit):
+                engine.submit(msg.request_id, msg.work)
+            elif isinstance(msg, Release):
+                engine.release(msg.request_id)
+            else:
+                raise AssertionError(f"unknown engine command {msg!r}")
+            count()
         try:
-            evs = engine.step()
+            outs = engine.step()
         except StepFailed as e:
-            events.send(("failed", e.request_ids, f"{type(e.__cause__).__name__}: {e.__cause__}"))
+            events.send(Failed(e.request_ids, f"{type(e.__cause__).__name__}: {e.__cause__}"))
             continue
         finally:
-            count_pages()
-        if evs:
-            events.send(("events", [(ev.request_id, ev.token_id, int(ev.status)) for ev in evs]))
+            count()
+        if outs:
+            events.send(Outputs([_kv_to_host(o) for o in outs]))
 
 
-def _command(engine: KVCacheEngine, msg: tuple, events) -> None:
-    kind = msg[0]
-    if kind == "add":
-        _, rid, prompt, params, key, timeout_s = msg
-        try:
-            engine.add_request(rid, prompt, params, key=key, timeout_s=timeout_s)
-        except Exception as e:
-            # the id ends here, whatever it already held (a duplicate id's first sequence
-            # too): no event of it follows the refusal, and none of its pages stay taken
-            engine.release(rid)
-            events.send(("rejected", rid, f"{type(e).__name__}: {e}"))
-    elif kind == "release":
-        engine.release(msg[1])
-    else:
-        raise AssertionError(f"unknown engine command {kind!r}")
-
+def _kv_to_host(o: SeqOutput) -> SeqOutput:
+    """A hand-off's K/V crosses the pipe as a host tensor (pickled); CUDA tensors would need
+    the receiver to map the child's memory while the child keeps it alive."""
+    if o.kv is None or o.kv.device.type == "cpu":
+        return o
+    return SeqOutput(o.request_id, o.token_id, o.status, o.kv.cpu(), o.error)

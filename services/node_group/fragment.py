@@ -7,13 +7,17 @@ iteration, when loops end, when the fragment is finished. Values are keyed
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from mstar.models.base import ChunkInfo
 from mstar.models.plan import WalkPlan
-from mstar.services.node_group.streams import Chunker
+from mstar.services.node_group.streams import Chunk, Chunker
+
+#: a consumer whose loop ended takes no more: its producer is not held back any longer
+TAKES_ALL = 1 << 62
 
 InstanceKey = tuple[str, int, int]  # (walk, walk_seq, chunk_index); chunk_index -1 unless a chunk walk
 
@@ -39,7 +43,12 @@ class WalkInstance:
     outbox: dict[tuple[str, str], tuple[Chunker, list[torch.Tensor]]] = field(default_factory=dict)
     children: int = 0
     flushed: set[str] = field(default_factory=set)  # loop nodes whose exits/stream ends went out
-    finished_sent: bool = False
+    # streams into a running loop, consumer side: chunks not taken yet, chunks taken, ended streams
+    inflow: dict[str, deque[Chunk]] = field(default_factory=dict)  # consumer node -> chunks
+    taken: dict[str, int] = field(default_factory=dict)  # consumer node -> chunks taken so far
+    stream_ended: set[str] = field(default_factory=set)  # consumer nodes whose stream's producer finished
+    # producer side: chunks each consumer (dst, edge) has taken, as last heard
+    credit: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for lp in self.plan.loops.values():
@@ -59,11 +68,15 @@ class WalkInstance:
             return  # carried value for an iteration that will not run
         self.values[(node, name, iteration)] = value
 
-    def next_call(self, node: str) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The iteration ``node`` can fire at now, with its inputs; None if not ready."""
+    def next_call(self, node: str) -> tuple[int, dict[str, torch.Tensor], ChunkInfo | None] | None:
+        """The iteration ``node`` can fire at now, with its inputs and the stream chunk it
+        takes (a node fed by a stream into its running loop); None if not ready."""
         if not self.started or node in self.busy:
             return None
         np_ = self.plan.nodes[node]
+        for e in np_.streams_out:  # back-pressure: the consumer is max_ahead chunks behind
+            if self._cut(e.dst, e.name) - self.credit.get((e.dst, e.name), 0) >= e.max_ahead:
+                return None
         lp, i = np_.loop, self.fired.get(node, 0)
         if lp is None:
             if i:
@@ -93,7 +106,23 @@ class WalkInstance:
                 if v is None:
                     return None
                 inputs[name] = v
-        return it, inputs
+        chunk = None
+        if np_.stream_slot is not None:
+            q = self.inflow.get(node)
+            if q:
+                chunk, inputs[np_.stream_slot] = q.popleft()
+                self.taken[node] = self.taken.get(node, 0) + 1
+            elif node not in self.stream_ended:
+                return None  # caught up with the producer: wait for its next chunk
+        return it, inputs, chunk
+
+    def _cut(self, dst: str, name: str) -> int:
+        """Chunks cut so far of the stream into ``dst`` (its chunker here, or the shadow of a remote one)."""
+        chunker = self.chunkers.get((dst, name))
+        if chunker is None:
+            held = self.outbox.get((dst, name))
+            chunker = held[0] if held else None
+        return chunker.chunks if chunker is not None else 0
 
     def consume(self, node: str, iteration: int) -> None:
         np_ = self.plan.nodes[node]

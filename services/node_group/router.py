@@ -1,12 +1,14 @@
-"""Where a node's outputs go: local hand-over, a peer node group, or the conductor.
+"""Where values go: the walk bookkeeping of one node group, with no I/O.
 
-Colocated destinations get the tensor object itself (no serialization); remote ones
-get a DATA frame on the link to the hosting group.
+Frames in (walk starts, edge values, loop ends) and node outputs become state changes of
+the request's walk instances plus effects appended to ``out``: ``Send`` (a frame for a peer
+group or the conductor) and ``Advance`` (an instance that may have nodes ready). The runtime
+applies them in order. Colocated destinations get the tensor object itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
 from types import SimpleNamespace
 
 import grpc
@@ -17,24 +19,18 @@ from mstar.config import Placement
 from mstar.models.base import Model, NodeCall, NodeSubmodule
 from mstar.models.graph import INPUT, StreamingGraphEdge
 from mstar.models.plan import EdgeKind
-from mstar.services.links import Links
-from mstar.services.node_group.fragment import InstanceKey, WalkInstance
+from mstar.services.node_group.fragment import TAKES_ALL, InstanceKey, WalkInstance
+from mstar.services.node_group.requests import CONDUCTOR, Advance, Effect, RequestCtx, RequestFailed, Send
 from mstar.services.node_group.streams import Chunker
 from mstar.v1 import node_group_pb2 as pb
 
 K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrapper's attribute lookup costs ~3 us
-
-
-class RequestFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
+Out = list[Effect]
 
 
 class Router:
-    def __init__(self, group: str, model: Model, placement: Placement, links: Links, spawn: Callable):
-        """``spawn(req, parent, dst_walk, edge, chunks)`` starts chunk walks for local stream chunks."""
-        self.group, self.model, self.placement, self.links, self.spawn = group, model, placement, links, spawn
+    def __init__(self, group: str, model: Model, placement: Placement):
+        self.group, self.model, self.placement = group, model, placement
         self._local_edges = metrics.EdgeMetrics(group, group)
         host = placement.host
         self.local: dict[str, tuple[str, ...]] = {}
@@ -42,7 +38,8 @@ class Router:
         self.loop_peers: dict[tuple[str, str], list[str]] = {}
         self.persisted: dict[str, set[tuple[str, str]]] = {}
         self.inputs: dict[str, list[tuple[str, str]]] = {}  # walk -> (node, input) read here
-        self.streams_in: dict[str, dict[tuple[str, str], StreamingGraphEdge]] = {}
+        self.streams_in: dict[str, dict[tuple[str, str], StreamingGraphEdge]] = {}  # into chunk walks hosted here
+        self.loop_streams_in: dict[str, dict[tuple[str, str], StreamingGraphEdge]] = {}  # into running loops here
         for walk, plan in model.plans.items():
             self.local[walk] = tuple(n for n in plan.nodes if host(walk, n) == group)
             self.owner_loops[walk] = frozenset(lp for lp in plan.loops if placement.loop_owner(walk, lp) == group)
@@ -52,49 +49,118 @@ class Router:
             self.inputs[walk] = [(e.dst, e.name) for e in plan.walk.edges if e.src == INPUT and e.dst in self.local[walk]]
             self.streams_in[walk] = {(e.dst, e.name): e for e in plan.streams
                                      if host(e.topology.dst_walk, e.dst) == group}
-
+            self.loop_streams_in[walk] = {(e.dst, e.name): e for e in plan.loop_streams if host(walk, e.dst) == group}
         self.persist_targets = {(e.dst, e.name): placement.persist_targets(e.dst, e.name)
                                 for plan in model.plans.values() for e in plan.walk.edges if e.persist}
 
-    def new_instance(self, key: InstanceKey) -> WalkInstance:
-        walk = key[0]
-        return WalkInstance(key, self.model.plans[walk], self.local[walk], self.owner_loops[walk],
-                            open_streams=len(self.streams_in[walk]) if key[2] < 0 else 0)
+    # -- instances ---------------------------------------------------------------------------
+    def instance(self, req: RequestCtx, key: InstanceKey) -> WalkInstance:
+        """The request's instance ``key``, created on its first frame."""
+        inst = req.instances.get(key)
+        if inst is None:
+            walk = key[0]
+            if walk not in self.model.plans:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"node group '{self.group}': unknown walk '{walk}'")
+            streams = len(self.streams_in[walk]) + len(self.loop_streams_in[walk]) if key[2] < 0 else 0
+            inst = req.instances[key] = WalkInstance(key, self.model.plans[walk], self.local[walk], self.owner_loops[walk],
+                                                     open_streams=streams)
+        return inst
 
-    # -- in ------------------------------------------------------------------------------
-    def accept(self, req, inst: WalkInstance, node: str, edge: str, iteration: int,
-               value: torch.Tensor | None, done: bool) -> None:
+    def start_walk(self, req: RequestCtx, inst: WalkInstance, expected: int, given: dict[str, torch.Tensor],
+                   out: Out) -> None:
+        """START_WALK: the walk starts once ``expected`` persisted values have arrived."""
+        req.parked.append((inst, expected, given))
+        self.unpark(req, out)
+
+    def unpark(self, req: RequestCtx, out: Out) -> None:
+        """Start walks whose persisted inputs have all arrived (they may trail START_WALK)."""
+        if not req.parked:
+            return
+        waiting = []
+        for inst, expected, given in req.parked:
+            if req.persist_received < expected:
+                waiting.append((inst, expected, given))
+                continue
+            self._start(req, inst, given)
+            out.extend(Advance(other) for other in list(req.instances.values()))  # chunk walks spawned before the start
+        req.parked = waiting
+
+    def _start(self, req: RequestCtx, inst: WalkInstance, given: dict[str, torch.Tensor]) -> None:
+        for node, name in self.inputs[inst.walk]:
+            value = given.get(name)
+            if value is None:
+                value = req.persisted.get((node, name))
+            if value is None:
+                raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"node group '{self.group}': walk '{inst.walk}' input '{name}' for node '{node}' "
+                                    f"was neither given when the walk started nor persisted by an earlier walk")
+            inst.put(node, name, -1, value)
+        inst.started = True
+
+    def _spawn(self, req: RequestCtx, parent: WalkInstance, dst_walk: str, edge: str, chunks, out: Out) -> None:
+        """A chunk walk per local stream chunk, started with the chunk as its input."""
+        for info, tensor in chunks:
+            child = self.instance(req, (dst_walk, parent.key[1], info.index))
+            child.chunk, child.parent = info, parent.key
+            parent.children += 1
+            self._start(req, child, {edge: tensor})
+            out.append(Advance(child))
+
+    # -- in ----------------------------------------------------------------------------------
+    def accept(self, req: RequestCtx, inst: WalkInstance, node: str, edge: str, iteration: int,
+               value: torch.Tensor | None, done: bool, out: Out) -> None:
+        """A value on edge ``edge`` into ``node`` (``done``: a stream's last item)."""
         walk = inst.walk
         if value is not None and (node, edge) in self.persisted[walk]:
             req.persisted[(node, edge)] = value
             req.persist_received += 1
+        into_loop = self.loop_streams_in[walk].get((node, edge))
+        if into_loop is not None:
+            chunks = self._cut(inst, into_loop, value, done)
+            if not inst.node_finished(node):  # a consumer whose loop ended takes no more
+                inst.inflow.setdefault(node, deque()).extend(chunks)
+            return
         stream = self.streams_in[walk].get((node, edge))
         if stream is not None:
-            chunker = inst.chunkers.get((node, edge))
-            if chunker is None:
-                chunker = inst.chunkers[(node, edge)] = Chunker(stream.policy)
-            chunks = chunker.push(value) if value is not None else []
-            if done:
-                chunks += chunker.finish()
-                inst.open_streams -= 1
-            self.spawn(req, inst, stream.topology.dst_walk, edge, chunks)
+            self._spawn(req, inst, stream.topology.dst_walk, edge, self._cut(inst, stream, value, done), out)
         elif node in inst.plan.nodes and value is not None and self.placement.host(walk, node) == self.group:
             inst.put(node, edge, iteration, value)
 
-    # -- out -----------------------------------------------------------------------------
-    def _link(self, req, group: str):
-        """The link to the replica of ``group`` this request is pinned to."""
-        try:
-            return self.links.route(group, req.routes)
-        except KeyError as e:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"node group '{self.group}': {e.args[0]}") from None
+    @staticmethod
+    def _cut(inst: WalkInstance, e: StreamingGraphEdge, value: torch.Tensor | None, done: bool):
+        """Chunks a stream's new rows (and its end) complete, under the stream's policy."""
+        chunker = inst.chunkers.get((e.dst, e.name))
+        if chunker is None:
+            chunker = inst.chunkers[(e.dst, e.name)] = Chunker(e.policy)
+        chunks = chunker.push(value) if value is not None else []
+        if done:
+            chunks += chunker.finish()
+            inst.open_streams -= 1
+            inst.stream_ended.add(e.dst)
+        return chunks
 
-    def _frame(self, inst: WalkInstance, req, kind, **kw) -> pb.Frame:
+    def stream_taken(self, req: RequestCtx, inst: WalkInstance, node: str, edge: str, taken: int, done: bool) -> None:
+        """STREAM_TAKEN from a consumer's group: the producer may run up to max_ahead past ``taken``."""
+        key = (node, edge)
+        inst.credit[key] = TAKES_ALL if done else max(inst.credit.get(key, 0), taken)
+
+    def loop_end(self, req: RequestCtx, inst: WalkInstance, node: str, iteration: int, out: Out) -> None:
+        """LOOP_END from the loop's owner: the loop holding ``node`` ended after ``iteration``."""
+        lp = inst.plan.nodes[node].loop
+        if lp is None:
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': LOOP_END for node '{node}' "
+                                f"outside a loop in walk '{inst.walk}'")
+        inst.end_loop(lp.name, iteration)
+        for n in inst.local:
+            self.flush_loop_outputs(req, inst, n, out)
+
+    # -- out ---------------------------------------------------------------------------------
+    def _frame(self, inst: WalkInstance, req: RequestCtx, kind, **kw) -> pb.Frame:
         return pb.Frame(kind=kind, request_id=req.request_id, walk=inst.walk, walk_seq=inst.key[1],
                         chunk_index=inst.key[2], parent_walk_seq=-1, **kw)
 
-    def deliver(self, req, inst: WalkInstance, dst: str, name: str, iteration: int, value,
-                targets: list[str], done: bool = False) -> None:
+    def _deliver(self, req: RequestCtx, inst: WalkInstance, dst: str, name: str, iteration: int, value,
+                 targets: list[str], out: Out, done: bool = False) -> None:
         persisted = value is not None and (dst, name) in self.persisted[inst.walk]
         for target in targets:
             if persisted:
@@ -102,16 +168,19 @@ class Router:
             if target == self.group:
                 if value is not None:
                     self._local_edges.sent(name, "local", value.nbytes, 0.0)
-                self.accept(req, inst, dst, name, iteration, value, done)
+                self.accept(req, inst, dst, name, iteration, value, done, out)
             else:
                 frame = self._frame(inst, req, K.FRAME_KIND_DATA, node=dst, edge=name, iteration=iteration, done=done)
-                self._link(req, target).send(frame, [(name, value)] if value is not None else [])
+                out.append(Send(target, frame, [(name, value)] if value is not None else []))
 
-    def after_fire(self, req, inst: WalkInstance, node: str, call: NodeCall, outputs: dict, sub: NodeSubmodule) -> None:
+    def after_fire(self, req: RequestCtx, inst: WalkInstance, node: str, call: NodeCall, outputs: dict,
+                   sub: NodeSubmodule, out: Out) -> None:
+        """``node`` fired for ``call`` and returned ``outputs``: decide its loop, route every value."""
         plan, it = inst.plan, call.iteration
         if not isinstance(outputs, dict):
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': node '{node}' returned "
                                 f"{type(outputs).__name__} for a call; a call's outputs are a dict of name -> torch.Tensor")
+        inst.busy.discard(node)
         inst.fired[node] = inst.fired.get(node, 0) + 1
         inst.consume(node, it)
         node_plan = plan.nodes[node]
@@ -120,7 +189,7 @@ class Router:
             if sub.check_stop(call, outputs) or it + 1 >= lp.max_iters:
                 inst.end_loop(lp.name, it)
                 for peer in self.loop_peers[(inst.walk, lp.name)]:
-                    self._link(req, peer).send(self._frame(inst, req, K.FRAME_KIND_LOOP_END, node=node, iteration=it))
+                    out.append(Send(peer, self._frame(inst, req, K.FRAME_KIND_LOOP_END, node=node, iteration=it), []))
             else:
                 inst.decided[lp.name] = it + 1
         host = self.placement.host
@@ -136,12 +205,12 @@ class Router:
             kind = pe.kind
             if kind is EdgeKind.EMIT:
                 frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name, iteration=it)
-                self.links["conductor"].send(frame, [(e.name, value)])
+                out.append(Send(CONDUCTOR, frame, [(e.name, value)]))
                 continue
             if kind is EdgeKind.EXIT or kind is EdgeKind.EMIT_AT_END:
                 continue  # kept below, once per name
-            if kind is EdgeKind.STREAM:
-                self.stream(req, inst, e, it, value)
+            if kind is EdgeKind.STREAM or kind is EdgeKind.LOOP_STREAM:
+                self._stream(req, inst, e, it, value, out)
                 continue
             if kind is EdgeKind.CARRIED:
                 end = inst.loop_end.get(lp.name)
@@ -153,22 +222,37 @@ class Router:
             targets = [] if kind is EdgeKind.PERSIST else [host(inst.walk, e.dst)]
             if e.persist:
                 targets += [g for g in self.persist_targets[(e.dst, e.name)] if g not in targets]
-            self.deliver(req, inst, e.dst, e.name, iteration, value, targets)
+            self._deliver(req, inst, e.dst, e.name, iteration, value, targets, out)
         for name in node_plan.loop_end_outputs:
             acc = inst.exits.setdefault((node, name), [])
             if name not in lp.accumulate:
                 acc.clear()
             acc.append(outputs[name])
+        if node_plan.stream_slot is not None and call.chunk is not None:
+            self._took(req, inst, node, node_plan.stream_slot, out)
         if lp is not None:
-            self.flush_loop_outputs(req, inst, node)
+            self.flush_loop_outputs(req, inst, node, out)
 
-    def stream(self, req, inst: WalkInstance, e: StreamingGraphEdge, iteration: int, value: torch.Tensor) -> None:
+    def _took(self, req: RequestCtx, inst: WalkInstance, node: str, name: str, out: Out, done: bool = False) -> None:
+        """A consumer took a chunk of its loop's stream (or, ``done``, stopped taking): tell the
+        producer's side; a remote one every max_ahead // 2 chunks, so it never waits long."""
+        e = self.loop_streams_in[inst.walk][(node, name)]
+        producer = self.placement.host(inst.walk, e.src)
+        taken = inst.taken.get(node, 0)
+        if producer == self.group:
+            inst.credit[(node, name)] = TAKES_ALL if done else taken
+        elif done or taken % max(1, e.max_ahead // 2) == 0:
+            frame = self._frame(inst, req, K.FRAME_KIND_STREAM_TAKEN, node=node, edge=name, iteration=taken, done=done)
+            out.append(Send(producer, frame, []))
+
+    def _stream(self, req: RequestCtx, inst: WalkInstance, e: StreamingGraphEdge, iteration: int,
+                value: torch.Tensor, out: Out) -> None:
         """One item of a streaming edge. Colocated: handed over at once. Remote: held until
         it completes a chunk the receiver will cut (or the stream ends), then sent with
         the items held before it in one frame."""
-        target = self.placement.host(e.topology.dst_walk, e.dst)
+        target = self._stream_host(inst, e)
         if target == self.group:
-            self.deliver(req, inst, e.dst, e.name, iteration, value, [target])
+            self._deliver(req, inst, e.dst, e.name, iteration, value, [target], out)
             return
         held = inst.outbox.get((e.dst, e.name))
         if held is None:
@@ -178,7 +262,10 @@ class Router:
         if shadow.push(value):
             value = _joined(rows)
             rows.clear()
-            self.deliver(req, inst, e.dst, e.name, iteration, value, [target])
+            self._deliver(req, inst, e.dst, e.name, iteration, value, [target], out)
+
+    def _stream_host(self, inst: WalkInstance, e: StreamingGraphEdge) -> str:
+        return self.placement.host(e.topology.dst_walk if e.topology is not None else inst.walk, e.dst)
 
     @staticmethod
     def held_back(inst: WalkInstance, e) -> torch.Tensor | None:
@@ -186,13 +273,15 @@ class Router:
         held = inst.outbox.pop((e.dst, e.name), None)
         return _joined(held[1]) if held and held[1] else None
 
-    def flush_loop_outputs(self, req, inst: WalkInstance, node: str) -> None:
+    def flush_loop_outputs(self, req: RequestCtx, inst: WalkInstance, node: str, out: Out) -> None:
         """Once a loop node ran its last iteration: send its exit values and end its streams."""
         node_plan = inst.plan.nodes[node]
         lp = node_plan.loop
         if lp is None or node in inst.flushed or not inst.node_finished(node):
             return
         inst.flushed.add(node)
+        if node_plan.stream_slot is not None:
+            self._took(req, inst, node, node_plan.stream_slot, out, done=True)
         host = self.placement.host
         ends: dict[str, torch.Tensor] = {}  # each name's value at the loop's end, for every edge that reads it
         for name in node_plan.loop_end_outputs:
@@ -200,24 +289,21 @@ class Router:
             ends[name] = torch.cat(values) if name in lp.accumulate else values[-1]
         for pe in node_plan.out_edges:
             e = pe.edge
-            if pe.kind is EdgeKind.EXIT or pe.kind is EdgeKind.EMIT_AT_END:
-                value = ends[e.name]
-                if pe.kind is EdgeKind.EXIT:
-                    self.deliver(req, inst, e.dst, e.name, -1, value, [host(inst.walk, e.dst)])
-                else:  # ahead of this fragment's FRAGMENT_DONE on the same link: postprocess sees it first
-                    frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name,
-                                        iteration=inst.loop_end.get(lp.name, -1))
-                    self.links["conductor"].send(frame, [(e.name, value)])
-            elif pe.kind is EdgeKind.STREAM:
-                self.deliver(req, inst, e.dst, e.name, -1, self.held_back(inst, e), [host(e.topology.dst_walk, e.dst)],
-                             done=True)
+            if pe.kind is EdgeKind.EXIT:
+                self._deliver(req, inst, e.dst, e.name, -1, ends[e.name], [host(inst.walk, e.dst)], out)
+            elif pe.kind is EdgeKind.EMIT_AT_END:  # ahead of this fragment's FRAGMENT_DONE on the same link
+                frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name,
+                                    iteration=inst.loop_end.get(lp.name, -1))
+                out.append(Send(CONDUCTOR, frame, [(e.name, ends[e.name])]))
+            elif pe.kind is EdgeKind.STREAM or pe.kind is EdgeKind.LOOP_STREAM:
+                self._deliver(req, inst, e.dst, e.name, -1, self.held_back(inst, e), [self._stream_host(inst, e)],
+                              out, done=True)
 
-    def fragment_done(self, req, inst: WalkInstance) -> None:
+    def fragment_done(self, req: RequestCtx, inst: WalkInstance, out: Out) -> None:
         frame = self._frame(inst, req, K.FRAME_KIND_FRAGMENT_DONE)
         frame.persisted_sent.update(req.persist_sent)
         req.persist_sent = {}
-        self.links["conductor"].send(frame)
-
+        out.append(Send(CONDUCTOR, frame, []))
 
 
 def _joined(rows: list[torch.Tensor]) -> torch.Tensor:

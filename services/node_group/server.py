@@ -221,9 +221,8 @@ async def serve(args: argparse.Namespace) -> None:
             for p in followers.procs:
                 p.kill()
         raise
-    for sub in runtime.submodules.values():
-        if callable(getattr(sub, "kv_stats", None)):
-            metrics.watch_kv(args.group, sub.kv_stats)
+    for sub in runtime.engines.values():
+        metrics.watch_kv(args.group, sub.kv_stats)
     server, port = create_server(args.address, runtime)
     metrics_port = None
     if args.metrics_port is not None:

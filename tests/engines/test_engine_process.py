@@ -12,6 +12,7 @@ from mstar.models.orpheus.llm_node import build_engine
 from mstar.services.engines.engine_process import EngineProcess
 from mstar.services.engines.kv_engine import EngineConfig
 from mstar.services.engines.sampling import SamplingParams
+from mstar.services.engines.seq_engine import StartSeq
 from mstar.services.engines.sequence import SeqStatus
 
 CONFIG = EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=8)
@@ -46,18 +47,18 @@ def drain(ep: EngineProcess, deadline_s: float = 60.0) -> tuple[dict[str, list[i
 def no_pages_used(ep: EngineProcess, within_s: float = 2.0) -> bool:
     """The child counts its pages after each command: wait briefly for the release to land."""
     end = time.monotonic() + within_s
-    while ep.pages[0] != 0 and time.monotonic() < end:
+    while ep.kv_stats().pages_used != 0 and time.monotonic() < end:
         time.sleep(0.02)
-    return ep.pages[0] == 0
+    return ep.kv_stats().pages_used == 0
 
 
 def test_same_tokens_as_the_engine_in_this_process(ckpt):
     want = build_engine(ckpt, "cpu", CONFIG).generate(PROMPTS, PARAMS)
     ep = EngineProcess("llm", build_engine, (ckpt, "cpu", CONFIG))
     try:
-        assert ep.proc.is_alive() and ep.pages[0] == 0
+        assert ep.proc.is_alive() and ep.kv_stats().pages_used == 0
         for rid, ids in PROMPTS.items():
-            ep.add_request(rid, ids, PARAMS)
+            ep.submit(rid, StartSeq(ids, PARAMS))
         got, status = drain(ep)
         assert got == want and all(len(t) == PARAMS.max_tokens for t in got.values())
         assert set(status.values()) == {SeqStatus.FINISHED_LENGTH}
@@ -68,9 +69,9 @@ def test_same_tokens_as_the_engine_in_this_process(ckpt):
         # a refused request (its id is already in the engine) ends that id alone: the first
         # "c" may have drawn a token before the refusal reached the child (timing), never
         # its full length, and it frees its pages; "d" runs on
-        ep.add_request("c", [1, 2, 3], PARAMS)
-        ep.add_request("c", [4, 5], PARAMS)
-        ep.add_request("d", [6, 7], PARAMS)
+        ep.submit("c", StartSeq([1, 2, 3], PARAMS))
+        ep.submit("c", StartSeq([4, 5], PARAMS))
+        ep.submit("d", StartSeq([6, 7], PARAMS))
         got, status = drain(ep)
         assert status["d"] == SeqStatus.FINISHED_LENGTH and len(got["d"]) == PARAMS.max_tokens
         assert status["c"] == SeqStatus.FINISHED_ABORTED and len(got.get("c", [])) < PARAMS.max_tokens
@@ -78,7 +79,7 @@ def test_same_tokens_as_the_engine_in_this_process(ckpt):
         assert no_pages_used(ep)
 
         # work released before it produced anything: step does not wait for it
-        ep.add_request("e", [1, 2], SamplingParams(max_tokens=10_000))
+        ep.submit("e", StartSeq([1, 2], SamplingParams(max_tokens=10_000)))
         ep.release("e")
         t0 = time.monotonic()
         assert ep.step() == [] or not ep.has_work
@@ -97,7 +98,7 @@ def test_a_failed_start_reports_the_childs_error(tmp_path):
 def test_a_killed_child_fails_the_waiting_step_and_names_itself(ckpt):
     ep = EngineProcess("llm", build_engine, (ckpt, "cpu", CONFIG))
     try:
-        ep.add_request("a", PROMPTS["a"], SamplingParams(max_tokens=10_000))
+        ep.submit("a", StartSeq(PROMPTS["a"], SamplingParams(max_tokens=10_000)))
         ep.proc.kill()
         with pytest.raises(RuntimeError, match="engine process of node 'llm'.*killed by signal 9"):
             while True:
@@ -105,6 +106,6 @@ def test_a_killed_child_fails_the_waiting_step_and_names_itself(ckpt):
         assert "killed by signal 9" in ep.exit_reason()
         assert not ep.has_work
         with pytest.raises(RuntimeError, match="killed by signal 9"):
-            ep.add_request("b", [1], PARAMS)
+            ep.submit("b", StartSeq([1], PARAMS))
     finally:
         ep.close()

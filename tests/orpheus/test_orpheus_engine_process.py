@@ -40,7 +40,7 @@ async def settled(llm) -> int:
     """KV pages in use once the child has applied every release sent to it."""
     seen = []
     for _ in range(200):
-        seen = [*seen[-9:], llm.kv_stats[0]]
+        seen = [*seen[-9:], llm.kv_stats().pages_used]
         if len(seen) == 10 and len(set(seen)) == 1:
             break
         await asyncio.sleep(0.02)
@@ -72,10 +72,11 @@ def test_engine_process_speaks_like_the_engine_thread_and_frees_pages(weights, t
                 call = mesh.stub.Generate(cpb.GenerateRequest(model="orpheus", text="A long one.", request_id="long",
                                                               model_kwargs_json='{"max_tokens": 2000}'), timeout=60)
                 await call.read()  # audio is flowing: the request holds pages in the child
-                assert llm.kv_stats[0] > used0
+                assert llm.kv_stats().pages_used > used0
                 await cancel_and_drain(mesh, call, "long")
                 assert await settled(llm) == used0  # the releases reached the child and freed its pages
-                assert not llm.engine.has_work and not llm.pending and not llm.buffered
+                driver = mesh.runtime("llm").drivers["llm"]
+                assert not llm.engine.has_work and not driver._waiting and not driver._early and not driver._held
             return got, (child if engine_process else None)
 
     want, _ = run(speak_with(False), timeout=180)

@@ -75,16 +75,17 @@ def test_cancel_frees_kv_pages(weights):
     async def go():
         async with inprocess_mesh(load_config(f"{CONFIGS}/default.yaml"), cache_dir=weights) as mesh:
             llm = mesh.runtime("orpheus").submodules["llm"]
-            used0, _ = llm.kv_stats
+            used0 = llm.kv_stats().pages_used
             call = mesh.stub.Generate(speak("A long one.", max_tokens=2000, request_id="long"), timeout=60)
             await call.read()  # audio is flowing: the request holds pages
-            assert llm.kv_stats[0] > used0
+            assert llm.kv_stats().pages_used > used0
             await cancel_and_drain(mesh, call, "long")
             for _ in range(200):
-                if llm.kv_stats[0] == used0 and not llm.engine.has_work:
+                if llm.kv_stats().pages_used == used0 and not llm.engine.has_work:
                     break
                 await asyncio.sleep(0.02)
-            assert llm.kv_stats[0] == used0 and not llm.pending and not llm.buffered
+            driver = mesh.runtime("orpheus").drivers["llm"]
+            assert llm.kv_stats().pages_used == used0 and not driver._waiting and not driver._early and not driver._held
     run(go(), timeout=120)
 
 

@@ -117,14 +117,16 @@ def test_llm_node_outputs_codes_and_stops_only_at_end_of_speech():
 
     from mstar.models.base import NodeCall
     from mstar.models.orpheus.llm_node import OrpheusLLM
+    from mstar.services.engines.seq_engine import SeqOutput
+    from mstar.services.engines.sequence import SeqStatus
 
-    node = OrpheusLLM.__new__(OrpheusLLM)  # no engine: _outputs / check_stop need none
+    node = OrpheusLLM.__new__(OrpheusLLM)  # no engine: outputs / check_stop need none
     state: dict = {}
     tokens = [T.AUDIO_TOKEN_OFFSET + p * T.CODES_PER_POSITION + 5 for p in range(7)] + [T.END_OF_SPEECH]
     codes, stops = [], []
     for i, (given, drawn) in enumerate(zip(tokens, tokens[1:] + [T.END_OF_SPEECH], strict=True)):
         call = NodeCall("r", "decode", i, {"token": torch.tensor([given])}, {}, state)
-        out = node._outputs(call, drawn)
+        out = node.outputs(call, SeqOutput("r", drawn, SeqStatus.RUNNING))
         assert out["token"].tolist() == [drawn]
         codes.append(out["code"].tolist())
         stops.append(node.check_stop(call, out))
@@ -135,28 +137,26 @@ def test_llm_node_outputs_codes_and_stops_only_at_end_of_speech():
 
 def test_llm_node_says_why_the_stream_ends():
     """``finish`` of a decode call: end-of-speech sampled (also by prefill) vs the engine done at max_tokens."""
-    import threading
-    from collections import deque
-
     import torch
 
     from mstar.models.base import NodeCall
     from mstar.models.orpheus.llm_node import OrpheusLLM
+    from mstar.services.engines.seq_engine import SeqOutput
+    from mstar.services.engines.sequence import SeqStatus
 
-    node = OrpheusLLM.__new__(OrpheusLLM)  # the token buffers only: no engine
-    node.lock, node.buffered, node.finished, node.pending = threading.Lock(), {}, set(), {}
+    node = OrpheusLLM.__new__(OrpheusLLM)  # outputs() only: no engine
     code = T.AUDIO_TOKEN_OFFSET + 5
 
-    def decode(rid, given, buffered=(), finished=False, iteration=4):
-        node.buffered[rid] = deque(buffered)
-        if finished:
-            node.finished.add(rid)
-        out = node.try_submit(NodeCall(rid, "decode", iteration, {"token": torch.tensor([given])}, {}, {}))
+    def decode(rid, given, token, iteration=4):
+        """``token``: the sequence's next output (a SeqOutput), or None once it has ended."""
+        call = NodeCall(rid, "decode", iteration, {"token": torch.tensor([given])}, {}, {})
+        assert node.prepare(call) is None  # a decode call takes the sequence's next output
+        out = node.outputs(call, token)
         return out["token"].item(), out["finish"].tolist(), node.check_stop(None, out)
 
+    running, stopped = SeqStatus.RUNNING, SeqStatus.FINISHED_STOPPED
     # finish = [why, tokens sampled]: iteration 4 was given the 5th token (prefill drew the 1st)
-    assert decode("a", code, [code]) == (code, [T.FINISH_NONE], False)
-    assert decode("b", code, [T.END_OF_SPEECH], finished=True) == (T.END_OF_SPEECH, [T.FINISH_STOP, 6], True)
-    assert decode("c", code, [], finished=True) == (T.END_OF_SPEECH, [T.FINISH_LENGTH, 5], True)  # max_tokens=5
-    assert decode("d", T.END_OF_SPEECH, [], finished=True, iteration=0) == (T.END_OF_SPEECH, [T.FINISH_STOP, 1], True)
-    assert node.try_submit(NodeCall("e", "decode", 0, {"token": torch.tensor([code])}, {}, {})) is True  # waits
+    assert decode("a", code, SeqOutput("a", code, running)) == (code, [T.FINISH_NONE], False)
+    assert decode("b", code, SeqOutput("b", T.END_OF_SPEECH, stopped)) == (T.END_OF_SPEECH, [T.FINISH_STOP, 6], True)
+    assert decode("c", code, None) == (T.END_OF_SPEECH, [T.FINISH_LENGTH, 5], True)  # max_tokens=5
+    assert decode("d", T.END_OF_SPEECH, None, iteration=0) == (T.END_OF_SPEECH, [T.FINISH_STOP, 1], True)

@@ -1,0 +1,194 @@
+"""One engine-backed node's driver: everything between the runtime and the node's engine.
+
+The runtime hands the driver each ready call of the node (``submit``) and polls it every
+round (``poll``). The driver keeps, on the event loop's thread alone:
+- the work for the engine (sequences to start or import) and the requests to release, both
+  handed to the engine's thread with its next step;
+- the step in flight (a future on the engine's thread; the engine steps back to back while
+  the event loop routes the previous step's outputs);
+- per request, the call waiting for the sequence's next output, and outputs that came
+  before their call (the engine decodes every running sequence each step, whenever the
+  graph's loop asks for the next token).
+It answers with typed results: ``Ready`` (outputs now), ``TAKEN`` (a later step answers) or
+``DEFERRED`` (the work goes to the engine with its next step; a later step answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from mstar.models.base import EngineNode, NodeCall
+from mstar.services.engines.kv_engine import StepFailed
+from mstar.services.engines.seq_engine import SeqOutput, SeqWork
+from mstar.services.engines.sequence import SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+class Submitted(enum.Enum):
+    TAKEN = "taken"  # the call waits for its sequence's next output
+    DEFERRED = "deferred"  # the call's work goes to the engine with its next step
+
+
+@dataclass(slots=True)
+class Ready:
+    """The call's outputs (or why it failed), now."""
+
+    outputs: dict | Exception
+
+
+Completion = tuple[NodeCall, Any, dict | Exception]  # (call, the runtime's `where`, outputs or error)
+
+
+class EngineDriver:
+    def __init__(self, node: str, sub: EngineNode, executor: Executor, wake: Callable[[], None]):
+        self.node, self.sub, self.engine = node, sub, sub.engine
+        self._executor, self._wake = executor, wake
+        self._work: list[tuple[str, SeqWork]] = []
+        self._releases: list[str] = []
+        self._step: asyncio.Future | None = None
+        self._waiting: dict[str, tuple[NodeCall, Any]] = {}  # request -> its call waiting for the next output
+        self._early: dict[str, deque[SeqOutput]] = {}  # outputs that came before their call
+        self._live: set[str] = set()  # requests whose sequence has not finished (outputs still to come)
+        self._held: set[str] = set()  # requests the engine may hold pages of (released with the request)
+        self.steps = 0
+        self.last_step_s = 0.0
+
+    # -- calls in ----------------------------------------------------------------------------
+    def submit(self, call: NodeCall, where: Any) -> Ready | Submitted:
+        rid = call.request_id
+        if rid in self._waiting:
+            return Ready(RuntimeError(f"engine node '{self.node}': request {rid} already has a call waiting for "
+                                      f"its sequence's next output; a request's calls of one engine node run in turn"))
+        try:
+            work = self.sub.prepare(call)
+        except Exception as e:
+            return Ready(e)
+        if work is not None:
+            self._work.append((rid, work))
+            self._live.add(rid)
+            self._held.add(rid)
+            self._waiting[rid] = (call, where)
+            return Submitted.DEFERRED
+        early = self._early.get(rid)
+        if early:
+            out = early.popleft()
+            if not early:
+                del self._early[rid]
+            return Ready(self._outputs(call, out))
+        if rid not in self._live:
+            return Ready(self._outputs(call, None))
+        self._waiting[rid] = (call, where)
+        return Submitted.TAKEN
+
+    def release(self, request_id: str) -> None:
+        """The request ended: nothing of it is answered any more; its pages go with the next step."""
+        self._waiting.pop(request_id, None)
+        self._early.pop(request_id, None)
+        self._live.discard(request_id)
+        if request_id in self._held:
+            self._held.discard(request_id)
+            self._work = [(r, w) for r, w in self._work if r != request_id]
+            self._releases.append(request_id)
+            self._wake()
+
+    # -- steps -------------------------------------------------------------------------------
+    @property
+    def step_done(self) -> bool:
+        return self._step is not None and self._step.done()
+
+    def poll(self, loop: asyncio.AbstractEventLoop) -> list[Completion] | None:
+        """Launch the next step (if there is work) once none runs; return what the step that
+        finished answered, or None if none finished since the last poll."""
+        fut = self._step
+        if fut is not None and not fut.done():
+            return None
+        self._step = None
+        self._launch(loop)
+        if fut is None:
+            return None
+        try:
+            outs, t0 = fut.result()
+        except StepFailed as e:
+            log.error("engine of node '%s' failed a step (requests %s)", self.node, e.request_ids, exc_info=e)
+            return self._fail(e.request_ids, e.__cause__ or e)
+        except Exception as e:
+            log.exception("engine of node '%s' failed a step", self.node)
+            return self._fail(list(self._waiting), e)
+        self.steps += 1
+        self.last_step_s = time.perf_counter() - t0
+        return self._route(outs)
+
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not (self._work or self._releases or self.engine.has_work):
+            return
+        args = (self.engine, self._work, self._releases, time.perf_counter())
+        self._work, self._releases = [], []
+        if self.sub.blocking:
+            fut = loop.run_in_executor(self._executor, _engine_step, *args)
+        else:
+            fut = loop.create_future()
+            try:
+                fut.set_result(_engine_step(*args))
+            except Exception as e:
+                fut.set_exception(e)
+        fut.add_done_callback(lambda _f: self._wake())
+        self._step = fut
+
+    def _route(self, outs: list[SeqOutput]) -> list[Completion]:
+        done: list[Completion] = []
+        for out in outs:
+            rid = out.request_id
+            if rid not in self._live:
+                continue  # released meanwhile
+            if out.finished or out.token_id is None:
+                self._live.discard(rid)
+                if out.kv is not None:
+                    self._held.discard(rid)  # handed off: the engine freed its pages
+            waiting = self._waiting.pop(rid, None)
+            if waiting is None:
+                self._early.setdefault(rid, deque()).append(out)
+            else:
+                done.append((waiting[0], waiting[1], self._outputs(waiting[0], out)))
+        return done
+
+    def _fail(self, request_ids, error: BaseException) -> list[Completion]:
+        done: list[Completion] = []
+        for rid in request_ids:
+            self._live.discard(rid)
+            self._held.discard(rid)  # the engine released them
+            waiting = self._waiting.pop(rid, None)
+            if waiting is not None:
+                done.append((waiting[0], waiting[1], RuntimeError(f"engine step failed: {type(error).__name__}: {error}")))
+            else:
+                self._early.setdefault(rid, deque()).append(
+                    SeqOutput(rid, None, SeqStatus.FINISHED_ABORTED, error=f"engine step failed: {type(error).__name__}: {error}"))
+        return done
+
+    def _outputs(self, call: NodeCall, out: SeqOutput | None) -> dict | Exception:
+        if out is not None and out.token_id is None:
+            return RuntimeError(f"request {call.request_id}: {out.error}")
+        try:
+            return self.sub.outputs(call, out)
+        except Exception as e:
+            return e
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+def _engine_step(engine, work: list[tuple[str, SeqWork]], releases: list[str], t0: float):
+    """One engine step on the engine's thread: releases, then new work, then the step."""
+    for rid in releases:
+        engine.release(rid)
+    for rid, w in work:
+        engine.submit(rid, w)
+    return (engine.step() if engine.has_work else []), t0

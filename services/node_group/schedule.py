@@ -1,0 +1,64 @@
+"""What can fire: ready node calls queued per (walk, node), batched round-robin."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mstar.services.node_group.fragment import WalkInstance
+from mstar.services.node_group.requests import Pending, RequestCtx
+from mstar.services.node_group.router import Out, Router
+
+Key = tuple[str, str]  # (walk, node)
+
+
+class Schedule:
+    def __init__(self, router: Router, max_batch: dict[str, int]):
+        self.router, self.max_batch = router, max_batch
+        self.ready: dict[Key, deque[Pending]] = {}
+        self._order: deque[Key] = deque()
+
+    def advance(self, req: RequestCtx, inst: WalkInstance, out: Out) -> bool:
+        """Queue every node of the instance that can fire (True if any); once the instance is
+        finished, drop it and tell its parent (a chunk walk) or the conductor (a fragment)."""
+        if req.kwargs is None:
+            return False  # START_WALK (with the request's kwargs) has not arrived yet
+        queued = False
+        for node in inst.local:
+            nxt = inst.next_call(node)
+            if nxt is not None:
+                inst.busy.add(node)
+                key = (inst.walk, node)
+                q = self.ready.get(key)
+                if q is None:
+                    q = self.ready[key] = deque()
+                    self._order.append(key)
+                q.append(Pending(req.request_id, inst.key, *nxt))
+                queued = True
+        if inst.finished() and req.instances.get(inst.key) is inst:
+            del req.instances[inst.key]
+            if inst.parent is not None:
+                parent = req.instances[inst.parent]
+                parent.children -= 1
+                queued = self.advance(req, parent, out) or queued
+            else:
+                self.router.fragment_done(req, inst, out)
+        return queued
+
+    def next_batch(self, taken: set[Key]) -> tuple[Key, list[Pending]] | None:
+        """The next ready batch of a (walk, node) not in ``taken`` (this round's), round-robin."""
+        for _ in range(len(self._order)):
+            key = self._order[0]
+            self._order.rotate(-1)  # round-robin over (walk, node) for fairness
+            q = self.ready[key]
+            if q and key not in taken:
+                taken.add(key)
+                n = min(len(q), self.max_batch[key[1]])
+                return key, [q.popleft() for _ in range(n)]
+        return None
+
+    def __len__(self) -> int:
+        return sum(map(len, list(self.ready.values())))
+
+    def clear(self) -> None:
+        self.ready.clear()
+        self._order.clear()
