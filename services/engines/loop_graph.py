@@ -71,7 +71,7 @@ class _Graph:
 def copy_padded(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[:B] = src`` and every row of ``dst`` past B a copy of row B-1 (B = ``len(src)``)."""
     rows = src.shape[0]
-    dst[:rows].copy_(src, non_blocking=True)
+    dst[:rows].copy_(src)  # blocking: a pinned host ``src`` may be reused as soon as run() returns
     if rows < dst.shape[0]:
         dst[rows:].copy_(dst[rows - 1:rows].expand_as(dst[rows:]))
 
