@@ -140,6 +140,32 @@ class NodeSubmodule:
         """Free everything held for the request (caches, pages)."""
 
 
+class LoopBodyNode(NodeSubmodule):
+    """A node that is the whole body of a fixed-count Loop (no stop_node) and whose iteration
+    is a fixed-shape, row-independent tensor function: a flow-matching Euler step, an action
+    step, a rollout step. The runtime runs every iteration of a batch of requests in one call
+    (``services/engines/loop_graph.py``): on CUDA one CUDA graph replay per batch bucket,
+    eagerly on a CPU or past the largest bucket.
+
+    ``step`` sees each input with the batch (one row per request) prepended as dim 0; the
+    inputs named like a carried edge of the loop (x -> x) are fed back each iteration, the
+    others are constants. Everything it derives from ``iteration`` on the host is frozen into
+    the graph. Only the loop's exits and at-loop-end emits leave it (the loop is one call), so
+    its other out-edges must be carried ones.
+    """
+
+    blocking = True
+    #: batch sizes graphs are captured for (one graph each; larger batches run eagerly)
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    device: str = "cpu"
+
+    def step(self, inputs: dict[str, torch.Tensor], iteration: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, batch: Any) -> list[dict[str, torch.Tensor]]:
+        raise TypeError("a LoopBodyNode runs its whole loop through step(), not forward")
+
+
 class EngineNode(NodeSubmodule):
     """A node whose calls are served by a sequence engine that batches across requests and
     steps on its own schedule (a KV-cache engine: continuous batching, chunked prefill,

@@ -233,6 +233,21 @@ class Router:
         if lp is not None:
             self.flush_loop_outputs(req, inst, node, out)
 
+    def after_loop(self, req: RequestCtx, inst: WalkInstance, node: str, outputs: dict, out: Out) -> None:
+        """``node`` ran its whole loop (a LoopBodyNode) in one call: ``outputs`` are its last
+        iteration's; the loop's exits and at-end emits leave now."""
+        lp = inst.plan.nodes[node].loop
+        assert lp is not None
+        inst.busy.discard(node)
+        inst.fired[node] = lp.max_iters
+        inst.consume(node, 0)
+        for name in inst.plan.nodes[node].loop_end_outputs:
+            if name not in outputs:
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': node '{node}' returned no "
+                                    f"output '{name}' at the end of its loop '{lp.name}'; it returned {sorted(outputs)}")
+            inst.exits[(node, name)] = [outputs[name]]
+        self.flush_loop_outputs(req, inst, node, out)
+
     def _took(self, req: RequestCtx, inst: WalkInstance, node: str, name: str, out: Out, done: bool = False) -> None:
         """A consumer took a chunk of its loop's stream (or, ``done``, stopped taking): tell the
         producer's side; a remote one every max_ahead // 2 chunks, so it never waits long."""

@@ -12,7 +12,6 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
@@ -21,15 +20,15 @@ import torch
 from mstar import metrics
 from mstar.config import Placement
 from mstar.env import settings
-from mstar.models.base import EngineNode, Model, NodeCall, NodeContext, NodeSubmodule
+from mstar.models.base import Model
 from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.services.links import Links
-from mstar.services.node_group.engine_driver import EngineDriver, Ready
+from mstar.services.node_group.engine_driver import Ready
+from mstar.services.node_group.nodes import Nodes
 from mstar.services.node_group.requests import (
     CONDUCTOR,
     Advance,
     Effect,
-    Pending,
     RequestCtx,
     RequestFailed,
     Send,
@@ -45,29 +44,16 @@ K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrappe
 MAX_TOMBSTONES = 100_000
 
 
-def create_submodules(model: Model, placement: Placement, group: str, device: str, cache_dir: str | None,
-                      tp: TPSpec | None = None) -> dict[str, NodeSubmodule]:
-    """The group's nodes; with ``tp``, each must join the tensor-parallel ranks."""
-    cfg = placement.config.group(group)
-    walks = {n: frozenset(w for w, plan in model.plans.items() if n in plan.nodes and placement.host(w, n) == group)
-             for n in cfg.node_names}
-    subs = {n: model.create_submodule(NodeContext(n, device, cache_dir, placement.config.model_kwargs, tp, walks[n]))
-            for n in cfg.node_names}
-    if tp is not None:
-        for n, sub in subs.items():
-            if not isinstance(sub, EngineNode) or sub.tensor_parallel is None:
-                raise ValueError(f"node group '{group}' has tp_size={tp.size}, but node '{n}' of model "
-                                 f"'{model.name}' does not run tensor-parallel; use tp_size 1")
-    return subs
-
-
 class NodeGroupRuntime:
     def __init__(self, group: str, model: Model, placement: Placement, peers: dict[str, str | list[str]],
                  conductor: str, protocol: Protocol, device: str = "cpu", cache_dir: str | None = None,
                  tp: TPSpec | None = None):
         """``tp``: rank 0's place in the group's tensor-parallel ranks (tp_size > 1)."""
         self.group, self.model, self.placement = group, model, placement
-        self.submodules = create_submodules(model, placement, group, device, cache_dir, tp)
+        self.router = Router(group, model, placement)
+        self._wake = asyncio.Event()
+        self.nodes = Nodes(model, placement, group, device, cache_dir, tp, self.router.local, self._wake.set)
+        self.submodules, self.engines, self.drivers = self.nodes.submodules, self.nodes.engines, self.nodes.drivers
         self.location = local_location(group, device)
         self.links = Links(group, protocol, self._on_link_down)
         for peer, address in peers.items():  # defaults for frames that carry no route
@@ -76,20 +62,11 @@ class NodeGroupRuntime:
             if peer != group and address:
                 self.links.add(peer, address)
         self.links.add(CONDUCTOR, conductor, kind="report")
-        self.router = Router(group, model, placement)
         self.schedule = Schedule(self.router, {n: s.max_batch for n, s in self.submodules.items()})
         self.requests: dict[str, RequestCtx] = {}
         self.released: OrderedDict[str, None] = OrderedDict()
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{group}-forward")
-        self.engines = {n: s for n, s in self.submodules.items() if isinstance(s, EngineNode)}
-        engine_threads = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix=f"{group}-engine")
-        self.drivers = {n: EngineDriver(n, s, engine_threads, self._wake.set) for n, s in self.engines.items()}
-        self._engine_threads = engine_threads
-        #: A group without engines may run back-to-back rounds for up to MSTAR_ROUND_BUDGET_S before it
-        #: lets arriving frames in, so those rounds' frames share one message per link (off by default:
-        #: bench/results/mesh-round-budget/). Groups with engines yield every round: a finished engine
-        #: step is seen only when the loop runs, and its next step waits for that.
+        #: back-to-back rounds before arriving frames get in (README, "Round budget"); groups with
+        #: engines yield every round: a finished engine step is seen only when the loop runs
         self.round_budget_s = 0.0 if self.engines else settings().round_budget_s
         self.steps = 0  # batches executed
         self.calls = 0  # node calls executed (calls / steps = mean batch size)
@@ -179,10 +156,9 @@ class NodeGroupRuntime:
         yielded = clock()
         while True:
             ran, taken = False, set()
-            while (nxt := self.schedule.next_batch(taken)) is not None:
+            while (nxt := self.schedule.next_calls(taken, self.requests)) is not None:
                 ran = True
-                (walk, node), batch = nxt
-                calls, where = self._calls(walk, node, batch)
+                walk, node, calls, where = nxt
                 driver = self.drivers.get(node)
                 if driver is not None:
                     ready = [(c, w, r.outputs) for c, w in zip(calls, where, strict=True)
@@ -190,8 +166,8 @@ class NodeGroupRuntime:
                     self._completed(node, ready)
                 elif calls:
                     t0 = clock()
-                    outputs = await self._execute(loop, node, calls)
-                    self._completed(node, list(zip(calls, where, outputs, strict=True)))
+                    outputs = await self.nodes.execute(loop, walk, node, calls)
+                    self._completed(node, list(zip(calls, where, outputs, strict=True)), (walk, node) in self.nodes.whole_loops)
                     self.steps += 1
                     self.metrics.step(node, len(calls), clock() - t0)
                 ran = self._poll_engines(loop) or ran
@@ -219,43 +195,9 @@ class NodeGroupRuntime:
             self.metrics.step(node, len(done), driver.last_step_s)
         return finished
 
-    def _calls(self, walk: str, node: str, batch: list[Pending]):
-        calls, where = [], []
-        for p in batch:
-            req = self.requests.get(p.request_id)
-            inst = req.instances.get(p.key) if req else None
-            if inst is None:
-                continue  # released while queued
-            calls.append(NodeCall(p.request_id, walk, p.iteration, p.inputs, req.kwargs or {},
-                                  req.node_state.setdefault(node, {}), p.chunk or inst.chunk))
-            where.append((req, inst))
-        return calls, where
-
-    async def _execute(self, loop, node: str, calls: list[NodeCall]) -> list:
-        """A stateless node's forward over the batch; a batch that raises runs again one call
-        at a time, so only the failing requests fail."""
-        sub = self.submodules[node]
-
-        async def run(batch_calls):
-            if sub.is_blocking(batch_calls):
-                return await loop.run_in_executor(self._executor, lambda: sub.forward(sub.prepare_inputs(batch_calls)))
-            return sub.forward(sub.prepare_inputs(batch_calls))
-
-        try:
-            return await run(calls)
-        except Exception as e:
-            if len(calls) == 1:
-                return [e]
-        results = []
-        for c in calls:
-            try:
-                results.append((await run([c]))[0])
-            except Exception as e:
-                results.append(e)
-        return results
-
-    def _completed(self, node: str, done: list) -> None:
-        """Route each finished call's outputs: (call, (req, inst), outputs or the error)."""
+    def _completed(self, node: str, done: list, whole: bool = False) -> None:
+        """Route each finished call's outputs: (call, (req, inst), outputs or the error);
+        ``whole``: each call ran the node's whole loop."""
         sub = self.submodules[node]
         self.calls += len(done)
         for call, (req, inst), outputs in done:
@@ -266,7 +208,10 @@ class NodeGroupRuntime:
                 continue
             out: list[Effect] = []
             try:
-                self.router.after_fire(req, inst, node, call, outputs, sub, out)
+                if whole:
+                    self.router.after_loop(req, inst, node, outputs, out)
+                else:
+                    self.router.after_fire(req, inst, node, call, outputs, sub, out)
                 out.append(Advance(inst))
                 self._apply(req, out)
             except RequestFailed as e:
@@ -293,12 +238,7 @@ class NodeGroupRuntime:
         if len(self.released) > MAX_TOMBSTONES:
             self.released.popitem(last=False)
         if self.requests.pop(request_id, None) is not None:
-            for node, sub in self.submodules.items():
-                driver = self.drivers.get(node)
-                if driver is not None:
-                    driver.release(request_id)
-                else:
-                    sub.release(request_id)
+            self.nodes.release(request_id)
         self.links.forget(request_id)
 
     def _on_link_down(self, link, reason: str, request_ids: set[str]) -> None:
@@ -314,12 +254,5 @@ class NodeGroupRuntime:
         return len(self.requests)
 
     async def close(self) -> None:
-        loop = asyncio.get_running_loop()
-        for driver in self.drivers.values():  # on the engine's thread: after its last step
-            try:
-                await loop.run_in_executor(self._engine_threads, driver.close)
-            except Exception:
-                log.exception("closing an engine failed")
+        await self.nodes.close()
         await self.links.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._engine_threads.shutdown(wait=False, cancel_futures=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from mstar.models.base import NodeCall
 from mstar.services.node_group.fragment import WalkInstance
 from mstar.services.node_group.requests import Pending, RequestCtx
 from mstar.services.node_group.router import Out, Router
@@ -43,6 +44,24 @@ class Schedule:
             else:
                 self.router.fragment_done(req, inst, out)
         return queued
+
+    def next_calls(self, taken: set[Key], requests: dict[str, RequestCtx]):
+        """The next batch as node calls: (walk, node, calls, where) with ``where`` each call's
+        (request, instance); None when no (walk, node) outside ``taken`` has one ready."""
+        nxt = self.next_batch(taken)
+        if nxt is None:
+            return None
+        (walk, node), batch = nxt
+        calls, where = [], []
+        for p in batch:
+            req = requests.get(p.request_id)
+            inst = req.instances.get(p.key) if req else None
+            if inst is None:
+                continue  # released while queued
+            calls.append(NodeCall(p.request_id, walk, p.iteration, p.inputs, req.kwargs or {},
+                                  req.node_state.setdefault(node, {}), p.chunk or inst.chunk))
+            where.append((req, inst))
+        return walk, node, calls, where
 
     def next_batch(self, taken: set[Key]) -> tuple[Key, list[Pending]] | None:
         """The next ready batch of a (walk, node) not in ``taken`` (this round's), round-robin."""

@@ -20,7 +20,8 @@ from mstar.models.registry import create_model
 from mstar.ports import free_port
 from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.services.grpc_server import ServerBase, run_service
-from mstar.services.node_group.runtime import NodeGroupRuntime, create_submodules
+from mstar.services.node_group.nodes import create_submodules
+from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
 from mstar.v1 import conductor_pb2, conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
