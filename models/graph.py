@@ -66,6 +66,11 @@ class GraphEdge:
         fire once, when the loop ends, with the last iteration's value (all iterations'
         values concatenated if the Loop accumulates the name), instead of at every iteration.
         The node still returns the output at every iteration.
+    once: for a value entering a Loop from outside it (a walk input, or a node before the
+        loop): only the loop's first iteration reads it, and it is dropped once read. Loop
+        inputs are otherwise kept for every iteration; a large one read once (a KV cache
+        handed over from another node group, which the engine copies into its own pages)
+        would be held for the whole loop.
     """
 
     src: str
@@ -74,6 +79,7 @@ class GraphEdge:
     persist: bool = False
     modality: Modality | None = None
     at_loop_end: bool = False
+    once: bool = False
 
     @property
     def streaming(self) -> bool:

@@ -63,7 +63,13 @@ class NodePlan:
 
     @cached_property
     def constant_slots(self) -> set[str]:
-        return {p.edge.name for p in self.in_edges if p.kind in (EdgeKind.INPUT, EdgeKind.ENTRY)}
+        """Inputs from outside the loop, the same for every iteration (``once`` ones excepted)."""
+        return {p.edge.name for p in self.in_edges if p.kind in (EdgeKind.INPUT, EdgeKind.ENTRY) and not p.edge.once}
+
+    @cached_property
+    def once_slots(self) -> set[str]:
+        """Inputs from outside the loop that only its first iteration reads (``GraphEdge.once``)."""
+        return {p.edge.name for p in self.in_edges if p.kind in (EdgeKind.INPUT, EdgeKind.ENTRY) and p.edge.once}
 
     @cached_property
     def iteration_slots(self) -> set[str]:
@@ -200,6 +206,9 @@ def _classify(walk: Walk, e: GraphEdge, plans: dict[str, NodePlan], walks: dict[
     if e.src == INPUT:
         if e.dst not in plans:
             raise GraphError(f"{where}: a walk input must go to a node of the walk; '{e.dst}' does not run in it")
+        if e.once and plans[e.dst].loop is None:
+            raise GraphError(f"{where}: once=True is for a value entering a Loop (read by its first iteration only); "
+                             f"'{e.dst}' runs outside any loop")
         return EdgeKind.INPUT
     if e.src not in plans:
         raise GraphError(f"{where} starts at '{e.src}', which does not run in this walk — add it to the body or remove the edge")
@@ -229,6 +238,9 @@ def _classify(walk: Walk, e: GraphEdge, plans: dict[str, NodePlan], walks: dict[
             raise GraphError(f"{where}: a streaming edge must start inside a Loop (it carries one item per iteration)")
         return EdgeKind.STREAM
     src, dst = plans[e.src], plans.get(e.dst)
+    if e.once and (dst is None or dst.loop is None or src.loop is dst.loop):
+        raise GraphError(f"{where}: once=True is for a value entering a Loop from outside it (read by its first "
+                         f"iteration only); '{e.dst}' takes it {'outside any loop' if dst and dst.loop is None else 'inside its loop'}")
     if e.persist and e.src == e.dst and src.loop is None:
         return EdgeKind.PERSIST  # a node keeps a value for its own use in a later walk
     if dst is None:

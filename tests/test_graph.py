@@ -70,7 +70,10 @@ def test_emits_at_a_loop_end_and_to_the_conductor():
     ([Walk("w", "a", [GraphEdge("a", EMIT_TO_CLIENT, "x", modality=Modality.TEXT), GraphEdge("a", EMIT_TO_CONDUCTOR, "x")])],
      "'x' goes both to the client and to EMIT_TO_CONDUCTOR"),
     ([Walk("w", Sequential("a", "b"), [GraphEdge("a", "b", "x"), GraphEdge("a", "b", "x")])], "from two edges"),
-    ([Walk("w", Loop("a", 3), [StreamingGraphEdge("a", "b", "s", policy=FixedChunks(2))])], "needs topology"),
+    ([Walk("w", Loop("a", 3), [StreamingGraphEdge("a", "b", "s", policy=FixedChunks(2))])],
+     "does not run in this walk; a stream without topology feeds a running loop"),
+    ([Walk("w", "a", [GraphEdge(INPUT, "a", "x", once=True)])], "once=True is for a value entering a Loop"),
+    ([Walk("w", Loop(Sequential("a", "b"), 3), [GraphEdge("a", "b", "x", once=True)])], "takes it inside its loop"),
     ([Walk("w", Loop("a", 3), [StreamingGraphEdge("a", "b", "s", topology=PartitionTopology("w", "nope"))])],
      "dst_walk 'nope' is not a walk"),
     ([Walk("w", Loop("a", 3), [StreamingGraphEdge("a", "b", "s", topology=PartitionTopology("w", "v"))]),
@@ -144,7 +147,7 @@ def test_split_loop_needs_same_iteration_feed():
 
 def test_same_node_in_two_groups_by_walk():
     groups = [{"name": "enc", "node_names": ["rot", "keep", "combine", "blob_source"]},
-              {"name": "dec", "node_names": ["decoder", "tally", "synth", "meter", "captioner", "blob_sink"]}]
+              {"name": "dec", "node_names": ["decoder", "tally", "synth", "meter", "captioner", "echo", "blob_sink"]}]
     p = Placement(toy_cfg(groups), create_model("toy"))
     assert p.fragments("encode") == ["enc"] and p.fragments("generate") == ["dec"]
     assert p.persist_targets("decoder", "text_state") == ["dec"]

@@ -30,11 +30,11 @@ from mstar.services.engines.engine_process import EngineProcess
 from mstar.services.engines.kv_engine import EngineConfig, KVCacheEngine
 from mstar.services.engines.llama import LlamaForCausalLM
 from mstar.services.engines.sampling import SamplingParams
-from mstar.services.engines.seq_engine import LocalSeqEngine, SeqOutput, StartSeq
+from mstar.services.engines.seq_engine import ImportSeq, LocalSeqEngine, SeqOutput, StartSeq
 from mstar.services.engines.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
-NO_CODE = torch.empty(0, dtype=torch.int64)
+NO_CODE = torch.empty(0, dtype=torch.int64)  # also the empty K/V hand-off (decode runs in this group)
 _SCALARS: dict[int, torch.Tensor] = {}  # shared one-element tensors: nothing downstream writes to them
 _MAX_SCALARS = 1 << 16
 
@@ -128,19 +128,30 @@ class OrpheusLLM(EngineNode):
             self.engine = LocalSeqEngine(build_engine(checkpoint, ctx.device, config, tp))
             where = "in process"
         self.cycle = CODE_CYCLE if ctx.model_kwargs.get("constrain_codes", True) else ()
-        log.info("orpheus llm loaded from %s on %s (%s)", checkpoint, ctx.device, where)
+        # prefill here, decode in another node group: the sequence's K/V leave with its first token
+        self.hands_off = "prefill" in ctx.walks and "decode" not in ctx.walks
+        log.info("orpheus llm loaded from %s on %s (%s%s)", checkpoint, ctx.device, where,
+                 "; prefill only: K/V handed to the decode group" if self.hands_off else "")
 
     # -- EngineNode ----------------------------------------------------------------------
-    def prepare(self, call: NodeCall) -> StartSeq | None:
-        """A prefill call starts the request's sequence; each decode call takes its next token."""
-        if call.walk != "prefill":
+    def prepare(self, call: NodeCall) -> StartSeq | ImportSeq | None:
+        """A prefill call starts the request's sequence; each decode call takes its next token.
+        The first decode call of a request whose prefill ran in another node group imports the
+        K/V it handed over (unless prefill already drew end-of-speech)."""
+        if call.walk == "prefill":
+            return StartSeq(call.inputs["prompt_ids"].tolist(), self._params(call.kwargs), key=("llm", "prefill"),
+                            handoff=self.hands_off)
+        kv = call.inputs.get("kv")
+        if kv is None or kv.numel() == 0 or call.inputs["token"].item() == END_OF_SPEECH:
             return None
-        kw = call.kwargs
-        params = SamplingParams(temperature=float(kw["temperature"]), top_p=float(kw["top_p"]),
-                                repetition_penalty=float(kw["repetition_penalty"]), seed=kw["seed"],
-                                stop_token_ids=(END_OF_SPEECH,), max_tokens=int(kw["max_tokens"]),
-                                allowed_token_cycle=self.cycle)
-        return StartSeq(call.inputs["prompt_ids"].tolist(), params, key=("llm", "prefill"))
+        tokens = [*call.inputs["kv_tokens"].tolist(), call.inputs["token"].item()]
+        return ImportSeq(tokens, kv, self._params(call.kwargs), num_output_tokens=1, key=("llm", "decode"))
+
+    def _params(self, kw: dict) -> SamplingParams:
+        return SamplingParams(temperature=float(kw["temperature"]), top_p=float(kw["top_p"]),
+                              repetition_penalty=float(kw["repetition_penalty"]), seed=kw["seed"],
+                              stop_token_ids=(END_OF_SPEECH,), max_tokens=int(kw["max_tokens"]),
+                              allowed_token_cycle=self.cycle)
 
     def outputs(self, call: NodeCall, output: SeqOutput | None) -> dict[str, torch.Tensor]:
         """A call's outputs: the next ``token``; for decode also the code of the token it was
@@ -151,6 +162,11 @@ class OrpheusLLM(EngineNode):
         ended = output is None
         token = END_OF_SPEECH if ended else output.token_id
         out = {"token": scalar(token)}
+        if call.walk == "prefill":
+            handed = output is not None and output.kv is not None
+            out["kv"] = output.kv if handed else NO_CODE
+            out["kv_tokens"] = call.inputs["prompt_ids"] if handed else NO_CODE
+            return out
         if call.walk == "decode":
             given = call.inputs["token"].item()
             out["code"] = self._code(call, given)

@@ -81,9 +81,15 @@ class OrpheusModel(Model):
             Walk("prefill", "llm", [
                 GraphEdge(INPUT, "llm", "prompt_ids"),
                 GraphEdge("llm", "llm", "token", persist=True),  # the first sampled token, for decode
+                # the KV hand-off: where decode runs in another node group (the pd_disaggregated
+                # layout), the prompt's K/V and their token ids go there; empty where it runs here
+                GraphEdge("llm", "llm", "kv", persist=True),
+                GraphEdge("llm", "llm", "kv_tokens", persist=True),
             ]),
             Walk("decode", Loop("llm", max_iters=MAX_DECODE_ITERS, stop_node="llm", name="tokens"), [
                 GraphEdge(INPUT, "llm", "token"),
+                GraphEdge(INPUT, "llm", "kv", once=True),
+                GraphEdge(INPUT, "llm", "kv_tokens", once=True),
                 GraphEdge("llm", "llm", "token"),
                 StreamingGraphEdge("llm", "snac_decoder", "code", policy=SlidingWindow(plan.window, plan.stride, first=plan.first),
                                    topology=PartitionTopology("decode", "snac_chunk")),

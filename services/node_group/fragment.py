@@ -95,6 +95,12 @@ class WalkInstance:
             if v is None:
                 return None
             inputs[name] = v
+        if it == 0:
+            for name in np_.once_slots:
+                v = self.values.get((node, name, -1))
+                if v is None:
+                    return None
+                inputs[name] = v
         for name in np_.iteration_slots:
             v = self.values.get((node, name, it))
             if v is None:
@@ -128,6 +134,9 @@ class WalkInstance:
         np_ = self.plan.nodes[node]
         for name in np_.iteration_slots | np_.carried_slots:
             self.values.pop((node, name, iteration), None)
+        if iteration == 0:
+            for name in np_.once_slots:  # read by the first iteration only
+                self.values.pop((node, name, -1), None)
 
     def end_loop(self, loop: str, last: int) -> None:
         self.loop_end[loop] = last
