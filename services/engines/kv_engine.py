@@ -7,6 +7,9 @@ Two ways in:
 - direct passes (denoising loops, CFG branches, world-model rollouts): ``forward(items)``,
   each item naming a (request, label) cache and whether its tokens' K/V persist.
 ``release(request_id)`` frees every page the request holds under every label.
+Hand-off (prefill on one engine, decode on another with the same weights): ``export_kv`` on
+the sender, ``import_request`` on the receiver, which continues the request as if it had
+computed those tokens itself.
 
 Pipelined decode (``overlap``): when every sequence of step N decodes and nothing waits,
 step N+1 is launched from step N's sampled tokens while they are still on the device; the
@@ -215,12 +218,47 @@ class KVCacheEngine:
         """Queue a prompt on the request's "main" cache; ``key`` (node, walk) is its fairness
         class; past ``timeout_s`` the request is released and reported FINISHED_ABORTED."""
         params = params or SamplingParams()
-        if self.scheduler.find(request_id) or self.cache.has_seq(request_id, "main"):
-            raise ValueError(f"request {request_id} already holds a 'main' sequence; release it first")
+        self._refuse_duplicate(request_id)
         deadline = None if timeout_s is None else self.clock() + timeout_s
         self.scheduler.add(Seq(request_id, list(prompt_ids), params, key, deadline=deadline))
         if params.repetition_penalty != 1:
             self.sampler.track(request_id, prompt_ids, self.model.config.vocab_size, self.device)
+
+    def export_kv(self, request_id: str, label: str = "main") -> torch.Tensor:
+        """A contiguous copy of the committed K/V of the request's ``label`` sequence,
+        [num_layers, 2, length, num_kv_heads, head_dim] in the cache's dtype, on its device.
+        Frees nothing (``release`` does). KeyError when there is no such sequence."""
+        self._one_rank("export_kv")
+        return self.cache.gather(request_id, label)
+
+    def import_request(self, request_id: str, token_ids: Sequence[int], kv: torch.Tensor,
+                       params: SamplingParams | None = None, key: tuple[str, str] = ("", ""),
+                       timeout_s: float | None = None, num_output_tokens: int = 0) -> None:
+        """Queue a request whose first ``kv.shape[2]`` tokens of ``token_ids`` were computed
+        by an engine with the same weights (``kv`` from its ``export_kv``), the last
+        ``num_output_tokens`` of them sampled there. The K/V go into the cache now (OutOfPages:
+        nothing is kept); the next step computes the rest of ``token_ids`` and samples output
+        number ``num_output_tokens``, so stops, seeds and the repetition penalty line up with
+        an engine that ran the whole request. Preempted, it is recomputed from ``token_ids``."""
+        params = params or SamplingParams()
+        self._one_rank("import_request")
+        self._refuse_duplicate(request_id)
+        self.cache.check_kv(kv, f"request {request_id!r}")
+        deadline = None if timeout_s is None else self.clock() + timeout_s
+        seq = Seq.resumed(request_id, list(token_ids), params, num_output_tokens, kv.shape[2], key, deadline)
+        self.cache.scatter(request_id, "main", kv)
+        self.scheduler.add(seq)
+        if params.repetition_penalty != 1:  # the outputs sampled there count as seen, as here
+            self.sampler.track(request_id, seq.token_ids, self.model.config.vocab_size, self.device)
+
+    def _refuse_duplicate(self, request_id: str) -> None:
+        if self.scheduler.find(request_id) or self.cache.has_seq(request_id, "main"):
+            raise ValueError(f"request {request_id} already holds a 'main' sequence; release it first")
+
+    def _one_rank(self, what: str) -> None:
+        if self.tp is not None and self.tp.size > 1:
+            raise NotImplementedError(f"{what}: each of the {self.tp.size} tensor-parallel ranks holds its own "
+                                      "share of the KV heads; hand-off moves one cache: use tp_size=1 engines")
 
     @property
     def has_work(self) -> bool:

@@ -4,9 +4,11 @@ Every step: running sequences first (decode needs one token, an unfinished prefi
 chunk), then waiting sequences admitted round-robin across (node, walk) keys, all under a
 token budget. Pages are reserved here; when a running sequence cannot grow, the newest
 running sequence is preempted (pages freed, recomputed later); a waiting sequence that does
-not fit simply stays queued. A sequence that finishes (stop token, max tokens) keeps its
-committed K/V for later passes of its request until the request is released; an aborted one
-frees its pages at once. Pure Python: the cache is anything with the ``PageBudget`` calls.
+not fit simply stays queued. A waiting sequence may hold K/V already (handed over from another
+engine); when nothing runs, so that no page would ever come back, such K/V is dropped, newest
+first, for the sequence at the head of the queue (recomputed later, like a preemption). A
+sequence that finishes (stop token, max tokens) keeps its committed K/V for later passes of its
+request until the request is released; an aborted one frees its pages at once. Pure Python: the cache is anything with the ``PageBudget`` calls.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class Scheduler:
                 self.cache.reserve(seq.request_id, seq.label, seq.num_computed_tokens + n)
                 chunks.append(ScheduledChunk.next_for(seq, n))
                 budget -= n
-        aborted = [] if preempted else self._admit(chunks, budget)
+        aborted = [] if preempted else self._admit(chunks, budget, preempted)
         return SchedulerOutput(tuple(chunks), tuple(preempted), tuple(aborted))
 
     def update_from_output(self, out: SchedulerOutput, sampled: Seq[int | None]) -> list[SeqEvent]:
@@ -160,7 +162,7 @@ class Scheduler:
         return events
 
     # -- named state changes ----------------------------------------------------------------
-    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> list[Sequence]:
+    def _admit(self, chunks: list[ScheduledChunk], budget: int, preempted: list[Sequence]) -> list[Sequence]:
         aborted: list[Sequence] = []
         tried = 0
         while budget > 0 and len(self.running) < self.config.max_num_seqs and tried < len(self._keys):
@@ -179,7 +181,7 @@ class Scheduler:
                 aborted.append(seq)
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            if self._pages_short(seq, seq.num_computed_tokens + n):
+            if self._pages_short(seq, seq.num_computed_tokens + n) and not self._reclaim(seq, n, preempted):
                 break  # stays queued; admitting later keys first would starve it
             queue.popleft()
             seq.status = SeqStatus.RUNNING
@@ -194,10 +196,26 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._drop_kv(seq)
+        self.waiting[seq.key].appendleft(seq)
+
+    def _reclaim(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        """With nothing running, drop the K/V of other waiting sequences (newest first) until
+        ``seq``'s next ``n`` tokens fit; False when they still do not."""
+        if self.running:
+            return False
+        holders = [s for q in self.waiting.values() for s in q if s is not seq and s.num_computed_tokens]
+        for victim in sorted(holders, key=lambda s: s.arrival, reverse=True):
+            if not self._pages_short(seq, seq.num_computed_tokens + n):
+                break
+            self._drop_kv(victim)  # keeps its place in the queue
+            preempted.append(victim)
+        return not self._pages_short(seq, seq.num_computed_tokens + n)
+
+    def _drop_kv(self, seq: Sequence) -> None:
         self.cache.free_seq(seq.request_id, seq.label)
         seq.status = SeqStatus.PREEMPTED
         seq.num_computed_tokens = 0
-        self.waiting[seq.key].appendleft(seq)
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:
         if seq in self.running:

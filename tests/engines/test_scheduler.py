@@ -138,3 +138,40 @@ def test_stop_token_and_max_tokens_finish(stop, max_tokens, status):
     run_step(s, token=5)
     events = s.update_from_output(s.schedule(), [9])
     assert events[-1].status is status and q.output_ids == [5, 9] and not s.running
+
+
+def imported(cache, rid, n, computed, outputs=1, max_tokens=100):
+    """A sequence handed over with K/V of ``computed`` tokens, which ``cache`` now holds."""
+    q = Sequence.resumed(rid, list(range(n)), SamplingParams(temperature=0, max_tokens=max_tokens), outputs, computed)
+    cache.reserve(rid, "main", computed)
+    return q
+
+
+def test_a_resumed_sequence_runs_its_rest_and_counts_its_outputs():
+    cache = FakeCache(10)
+    s = Scheduler(cache)
+    q = imported(cache, "a", 6, 5, outputs=1, max_tokens=3)
+    assert (q.num_prompt_tokens, q.num_output_tokens, q.num_uncomputed_tokens) == (5, 1, 1)
+    s.add(q)
+    assert shape(run_step(s, token=7)) == [("a", 5, 1)]  # the handed-over output, not the prompt
+    assert shape(run_step(s, token=8)) == [("a", 6, 1)]
+    assert q.output_ids == [5, 7, 8] and q.status is SeqStatus.FINISHED_LENGTH  # 3 outputs in all
+
+
+def test_waiting_kv_is_dropped_only_when_nothing_runs():
+    """Two imports fill the cache: the first cannot grow by a page. Nothing runs that could
+    free one, so the newer import's K/V goes (it stays queued in its place, to recompute)."""
+    cache = FakeCache(4)
+    s = Scheduler(cache)
+    a, b = imported(cache, "a", 9, 8), imported(cache, "b", 9, 8)  # 2 pages each; position 8 needs a third
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert shape(out) == [("a", 8, 1)] and out.preempted == (b,)
+    assert (b.status, b.num_computed_tokens, ("b", "main") in cache.held) == (SeqStatus.PREEMPTED, 0, False)
+    assert list(s.waiting[b.key]) == [b]
+    c = imported(cache, "c", 5, 4)  # the last free page; b (9 tokens) cannot be admitted
+    s.add(c)
+    out = run_step(s)
+    assert shape(out) == [("a", 9, 1)] and out.preempted == ()  # a runs: c's K/V is kept
+    assert cache.held[("c", "main")] == 1
