@@ -19,7 +19,8 @@ def setup(toy_config, group, name="default"):
     config = toy_config(name)
     model = create_model(config.model, config.model_kwargs)
     router = Router(group, model, Placement(config, model))
-    return model, router, Schedule(router, {n: 64 for n in config.group(group).node_names})
+    subs = {n: model.create_submodule(NodeContext(n, "cpu", None, {})) for n in config.group(group).node_names}
+    return model, router, Schedule(router, subs)
 
 
 def fire(model, router, schedule, req, out):

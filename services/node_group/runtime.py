@@ -62,7 +62,7 @@ class NodeGroupRuntime:
             if peer != group and address:
                 self.links.add(peer, address)
         self.links.add(CONDUCTOR, conductor, kind="report")
-        self.schedule = Schedule(self.router, {n: s.max_batch for n, s in self.submodules.items()})
+        self.schedule = Schedule(self.router, self.submodules)
         self.requests: dict[str, RequestCtx] = {}
         self.released: OrderedDict[str, None] = OrderedDict()
         #: back-to-back rounds before arriving frames get in (README, "Round budget"); groups with

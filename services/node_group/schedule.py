@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from mstar.models.base import NodeCall
+from mstar.models.base import NodeCall, NodeSubmodule
 from mstar.services.node_group.fragment import WalkInstance
 from mstar.services.node_group.requests import Pending, RequestCtx
 from mstar.services.node_group.router import Out, Router
@@ -13,8 +13,8 @@ Key = tuple[str, str]  # (walk, node)
 
 
 class Schedule:
-    def __init__(self, router: Router, max_batch: dict[str, int]):
-        self.router, self.max_batch = router, max_batch
+    def __init__(self, router: Router, submodules: dict[str, NodeSubmodule]):
+        self.router, self.submodules = router, submodules
         self.ready: dict[Key, deque[Pending]] = {}
         self._order: deque[Key] = deque()
 
@@ -71,7 +71,7 @@ class Schedule:
             q = self.ready[key]
             if q and key not in taken:
                 taken.add(key)
-                n = min(len(q), self.max_batch[key[1]])
+                n = min(len(q), self.submodules[key[1]].max_batch)
                 return key, [q.popleft() for _ in range(n)]
         return None
 

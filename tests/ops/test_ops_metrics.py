@@ -129,15 +129,23 @@ def test_counters_and_histograms_move_by_exactly_the_requests_sent(mesh):
     assert delta("decoder", "mstar_edge_transfer_seconds_total", src="decoder", dst="audio", transport="inline") > 0
 
 
-def test_kv_hooks_push_and_pull():
-    """The hook the KV engines will feed, on a registry of its own."""
+def test_kv_series_sum_the_engine_nodes_of_a_group():
+    """The KV hook on a registry of its own: a group's engine nodes' KvStats are summed at each
+    scrape; a node without a KV cache (None) adds nothing. (A served mesh: test_ops_kv_metrics.py.)"""
     registry, kv = CollectorRegistry(), metrics._KvCollector()
     registry.register(kv)
-    kv.pages("llm", used=3, free=5)
-    kv.preempted("llm", 2)
-    kv.watch("snac", lambda: {"pages_used": 7, "pages_free": 1, "preemptions": 4})
-    samples = {(s.name, s.labels["group"]): s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
-               for s in f.samples}
-    assert samples == {("mstar_kv_pages_used", "llm"): 3, ("mstar_kv_pages_free", "llm"): 5,
-                       ("mstar_kv_pages_used", "snac"): 7, ("mstar_kv_pages_free", "snac"): 1,
-                       ("mstar_kv_preemptions_total", "llm"): 2, ("mstar_kv_preemptions_total", "snac"): 4}
+    llm = [metrics.KvStats(3, 5, 2)]
+    kv.watch("llm", lambda: llm[0])
+    kv.watch("llm", lambda: metrics.KvStats(1, 1))
+    kv.watch("llm", lambda: None)
+    kv.watch("snac", lambda: metrics.KvStats(7, 1, 4))
+
+    def samples():
+        return {(s.name, s.labels["group"]): s.value
+                for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+
+    assert samples() == {("mstar_kv_pages_used", "llm"): 4, ("mstar_kv_pages_free", "llm"): 6,
+                         ("mstar_kv_pages_used", "snac"): 7, ("mstar_kv_pages_free", "snac"): 1,
+                         ("mstar_kv_preemptions_total", "llm"): 2, ("mstar_kv_preemptions_total", "snac"): 4}
+    llm[0] = metrics.KvStats(0, 8, 3)  # read anew at every scrape
+    assert samples()[("mstar_kv_pages_used", "llm")] == 1 and samples()[("mstar_kv_preemptions_total", "llm")] == 3
