@@ -49,7 +49,7 @@ class Euler(LoopBodyNode):
 
 class Out(NodeSubmodule):
     def forward(self, calls):
-        return [{"actions": c.inputs["x"] * 2} for c in calls]
+        return [{"actions": c.inputs["x"].cpu() * 2} for c in calls]
 
 
 class Flow(Model):
@@ -110,6 +110,25 @@ def test_whole_loop_gives_the_per_iteration_result_in_one_call_per_batch(groups)
             assert 1 <= runs <= 6 and loops.stats.graph_replays == 0
             assert Euler.calls == runs * STEPS  # each run: every iteration, for the whole batch
     run(go(), timeout=60)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the whole loop as a CUDA graph replay)")
+def test_whole_loop_on_cuda_is_a_graph_replay(monkeypatch):
+    monkeypatch.setattr(Euler, "device", "cuda")
+    cfg = parse_config({"model": "flow-test", "node_groups": [{"name": "g", "node_names": ["prep", "euler", "out"]}]})
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            for n in (1, 3, 6):  # batches of up to 6 requests: buckets 1, 2, 4, 8
+                reqs = [cpb.GenerateRequest(model="flow-test", text=str(s), model_kwargs_json="{}") for s in range(n)]
+                res = await asyncio.gather(*(collect(mesh.stub, r) for r in reqs))
+                for s, (out, _final) in enumerate(res):
+                    got = wire.from_proto(out["actions"][0].tensor)
+                    torch.testing.assert_close(got, expected(s), rtol=1e-4, atol=1e-5)  # fp32 on the GPU
+            loops = mesh.runtime("g").nodes.whole_loops.loops[("sample", "euler")]
+            assert loops.stats.eager_runs == 0 and loops.stats.graph_replays >= 3 and 1 <= loops.num_graphs <= 4
+    run(go(), timeout=120)
 
 
 @pytest.mark.parametrize("loop_kw, why", [({"stop_node": "euler"}, "has a stop_node"),

@@ -1,6 +1,6 @@
 """The node-group runtime: frames in, ready nodes batched and executed, effects applied.
 
-Its loop reads like the design: schedule (``Schedule.next_batch``) -> execute (a stateless
+Its loop reads like the design: schedule (``Schedule.next_calls``) -> execute (a stateless
 node's forward, or an engine node's ``EngineDriver``) -> update (``Router.after_fire``
 returns effects: frames to send, instances to advance; ``_apply`` carries them out).
 """
@@ -25,14 +25,7 @@ from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.services.links import Links
 from mstar.services.node_group.engine_driver import Ready
 from mstar.services.node_group.nodes import Nodes
-from mstar.services.node_group.requests import (
-    CONDUCTOR,
-    Advance,
-    Effect,
-    RequestCtx,
-    RequestFailed,
-    Send,
-)
+from mstar.services.node_group.requests import CONDUCTOR, Advance, Effect, RequestCtx, RequestFailed, Send
 from mstar.services.node_group.router import Router
 from mstar.services.node_group.schedule import Schedule
 from mstar.services.transport import Protocol
@@ -248,10 +241,6 @@ class NodeGroupRuntime:
             return
         for rid in request_ids:
             self.fail(rid, grpc.StatusCode.UNAVAILABLE, f"node group '{self.group}': peer node group {reason}")
-
-    @property
-    def pending_requests(self) -> int:
-        return len(self.requests)
 
     async def close(self) -> None:
         await self.nodes.close()

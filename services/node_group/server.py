@@ -61,7 +61,7 @@ class NodeGroupServer(ServerBase):
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.set_serving(False)
         deadline = asyncio.get_running_loop().time() + grace_s
-        while self.runtime.pending_requests and asyncio.get_running_loop().time() < deadline:
+        while self.runtime.requests and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         await self.stop_server()
         if self._loop_task:
