@@ -10,7 +10,7 @@ import grpc
 import pytest
 import yaml
 from prometheus_client import REGISTRY
-from test_orpheus_mesh import speak
+from test_orpheus_mesh import LONG_SEED, speak
 from test_orpheus_tp import PCM_TOL, pcm16
 
 from mstar.config import load_config
@@ -98,7 +98,7 @@ def test_cancel_and_a_failed_import_free_both_groups(weights, tmp_path):
     async def go():
         async with inprocess_mesh(config(tmp_path, "pd_disaggregated"), cache_dir=weights) as mesh:
             p0, d0 = pages(mesh, "prefill"), pages(mesh, "decode")
-            call = mesh.stub.Generate(speak("A long one.", request_id="long", max_tokens=2000), timeout=60)
+            call = mesh.stub.Generate(speak("A long one.", request_id="long", max_tokens=2000, seed=LONG_SEED), timeout=60)
             await call.read()  # audio flows: the decode group holds the imported pages
             assert pages(mesh, "decode") > d0 and await settled(mesh, "prefill", p0) == p0
             await cancel_and_drain(mesh, call, "long")
