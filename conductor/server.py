@@ -217,7 +217,7 @@ class ConductorServer(ServerBase):
         deadline = loop.time() + grace_s
         while self.table.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        await self.stop_server()
+        await self.stop_server(min(1.0, max(0.0, deadline - loop.time())))
         for task in (self._probe, self._ready):
             if task is not None:
                 task.cancel()

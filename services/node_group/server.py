@@ -63,7 +63,7 @@ class NodeGroupServer(ServerBase):
         deadline = asyncio.get_running_loop().time() + grace_s
         while self.runtime.requests and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        await self.stop_server()
+        await self.stop_server(min(1.0, max(0.0, deadline - asyncio.get_running_loop().time())))
         if self._loop_task:
             self._loop_task.cancel()
         await self.runtime.close()
