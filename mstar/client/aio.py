@@ -16,16 +16,19 @@ from mstar.client.base import (
     DEFAULT_TIMEOUT_S,
     QUICK_TIMEOUT_S,
     StreamState,
+    chat_prompt,
+    default_model,
+    first_image,
     images_of,
     make_params,
     parse_address,
     pick_output,
     speech_of,
+    split_model,
 )
 from mstar.client.errors import Cancelled
 from mstar.client.grpc_transport import AsyncGrpcTransport
 from mstar.client.http_transport import AsyncHttpTransport
-from mstar.client.messages import prompt_from_messages
 from mstar.client.types import (
     Chunk,
     File,
@@ -143,19 +146,31 @@ class AsyncMStarClient:
         async with s:
             return await s.collect()
 
-    async def chat(self, model: str, messages: Sequence[Mapping], *, stream: bool = False,
+    async def chat(self, *args, model: str | None = None, stream: bool = False,
                    **kw) -> Result | AsyncGenerateStream:
-        return await self.generate(model, prompt_from_messages(messages), stream=stream, **kw)
+        model, messages = split_model(args, model, "chat", "messages")
+        model = model or default_model(await self.models(), "chat")
+        return await self.generate(model, chat_prompt(messages), stream=stream, **kw)
 
-    async def tts(self, model: str, text: str, *, voice: str | None = None, output: str | None = None, **kw) -> Speech:
-        name = pick_output(await self.models(), model, Modality.AUDIO, output, "tts()")
+    async def tts(self, *args, model: str | None = None, voice: str | None = None, output: str | None = None,
+                  **kw) -> Speech:
+        model, text = split_model(args, model, "tts", "text")
+        models = await self.models()
+        model = model or default_model(models, "tts")
+        name = pick_output(models, model, Modality.AUDIO, output, "tts()")
         if voice is not None:
             kw["voice"] = voice
         return speech_of(await self.generate(model, text, **kw), name)
 
-    async def generate_image(self, model: str, prompt: str, *, output: str | None = None, **kw) -> list[Image]:
-        name = pick_output(await self.models(), model, Modality.IMAGE, output, "generate_image()")
-        return images_of(await self.generate(model, prompt, **kw), name)
+    async def generate_image(self, *args, model: str | None = None, output: str | None = None,
+                             **kw) -> bytes | list[Image]:
+        explicit = len(args) == 2
+        model, prompt = split_model(args, model, "generate_image", "prompt")
+        models = await self.models()
+        model = model or default_model(models, "generate_image")
+        name = pick_output(models, model, Modality.IMAGE, output, "generate_image()")
+        images = images_of(await self.generate(model, prompt, **kw), name)
+        return images if explicit else first_image(images, model)
 
     async def models(self, *, timeout: float = QUICK_TIMEOUT_S) -> list[ModelInfo]:
         return await self._transport.models(timeout)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mstar.client.convert import Message
 from mstar.client.errors import Internal, InvalidArgument, NotFound
+from mstar.client.messages import prompt_from_messages
 from mstar.client.types import (
     Chunk,
     File,
@@ -102,6 +103,39 @@ def pick_output(models: list[ModelInfo], model: str, modality: Modality, output:
                                             f"its {modality.value} outputs: {', '.join(names)}")
         return output
     return modality.value if modality.value in names else names[0]
+
+
+def split_model(args: tuple, model: str | None, call: str, payload: str) -> tuple[str | None, object]:
+    """(model, payload) of a call written either way: ``call(model, payload)`` (explicit) or
+    ``call(payload, model=...)`` / ``call(payload)`` (the documented short form)."""
+    if len(args) == 2:
+        if model is not None:
+            raise InvalidArgument("model", f"model: {call}() got the model twice (first argument and model=)")
+        return args[0], args[1]
+    if len(args) == 1:
+        return model, args[0]
+    raise TypeError(f"{call}() takes ({payload}) or (model, {payload}); got {len(args)} positional arguments")
+
+
+def default_model(models: list[ModelInfo], call: str) -> str:
+    """The one model the server serves; InvalidArgument (field ``model``) listing them otherwise."""
+    if len(models) == 1:
+        return models[0].name
+    served = ", ".join(m.name for m in models) or "none"
+    raise InvalidArgument("model", f"model: the server serves {len(models)} models ({served}); name one: "
+                                   f"{call}(..., model=\"{models[0].name if models else 'NAME'}\")")
+
+
+def chat_prompt(messages: str | Sequence[Mapping]) -> str:
+    """A string is a one-user-message chat; a list is OpenAI chat messages (see mstar.client.messages)."""
+    return messages if isinstance(messages, str) else prompt_from_messages(messages)
+
+
+def first_image(images: list[Image], model: str) -> bytes:
+    """The simple form of generate_image: the first image's encoded bytes (PNG for M*'s models)."""
+    if not images:
+        raise Internal(f"model '{model}' finished without an image")
+    return images[0].data
 
 
 def speech_of(result: Result, name: str) -> Speech:

@@ -5,6 +5,7 @@
         print(chunk.name, chunk.text)
     result = client.generate("toy", "Hello")           # one-shot: Result
     client.tts("toy", "Hello").to_wav("hello.wav")
+    client.chat("What is the capital of France?").text  # the model the server serves
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ from mstar.client.base import (
     DEFAULT_TIMEOUT_S,
     QUICK_TIMEOUT_S,
     StreamState,
+    chat_prompt,
+    default_model,
+    first_image,
     images_of,
     make_params,
     parse_address,
     pick_output,
     speech_of,
+    split_model,
 )
 from mstar.client.errors import Cancelled
 from mstar.client.grpc_transport import GrpcTransport
 from mstar.client.http_transport import HttpTransport
-from mstar.client.messages import prompt_from_messages
 from mstar.client.types import (
     Chunk,
     File,
@@ -144,26 +148,37 @@ class MStarClient:
         with s:
             return s.collect()
 
-    def chat(self, model: str, messages: Sequence[Mapping], *, stream: bool = False, **kw) -> Result | GenerateStream:
-        """``generate`` on the prompt that ``messages`` (OpenAI chat format) flatten to; the rule
-        is in mstar.client.messages (the last message, a user message, is the prompt)."""
-        return self.generate(model, prompt_from_messages(messages), stream=stream, **kw)
+    def chat(self, *args, model: str | None = None, stream: bool = False, **kw) -> Result | GenerateStream:
+        """``chat("What is the capital of France?").text``, ``chat(messages)`` or ``chat(model,
+        messages)``: ``generate`` on the prompt that a string or OpenAI chat ``messages`` make (the
+        rule is in mstar.client.messages: the last message, a user message, is the prompt). Without
+        a model, the one the server serves (InvalidArgument listing them when it serves several)."""
+        model, messages = split_model(args, model, "chat", "messages")
+        return self.generate(model or default_model(self.models(), "chat"), chat_prompt(messages), stream=stream, **kw)
 
-    def tts(self, model: str, text: str, *, voice: str | None = None, output: str | None = None, **kw) -> Speech:
-        """Speech from a model with an audio output. ``voice`` goes to the model as
-        ``model_kwargs.voice`` (left out when None)."""
-        name = pick_output(self.models(), model, Modality.AUDIO, output, "tts()")
+    def tts(self, *args, model: str | None = None, voice: str | None = None, output: str | None = None,
+            **kw) -> Speech:
+        """``tts("Hello there", voice="tara").to_wav("out.wav")`` or ``tts(model, text)``: speech from
+        a model with an audio output. ``voice`` goes to the model as ``model_kwargs.voice``."""
+        model, text = split_model(args, model, "tts", "text")
+        models = self.models()
+        model = model or default_model(models, "tts")
+        name = pick_output(models, model, Modality.AUDIO, output, "tts()")
         if voice is not None:
             kw["voice"] = voice
-        result = self.generate(model, text, **kw)
-        return speech_of(result, name)
+        return speech_of(self.generate(model, text, **kw), name)
 
-    def generate_image(self, model: str, prompt: str, *, output: str | None = None, **kw) -> list[Image]:
-        """The images a model with an image output makes; InvalidArgument (field ``model``) for a
-        model without one."""
-        name = pick_output(self.models(), model, Modality.IMAGE, output, "generate_image()")
-        result = self.generate(model, prompt, **kw)
-        return images_of(result, name)
+    def generate_image(self, *args, model: str | None = None, output: str | None = None, **kw) -> bytes | list[Image]:
+        """``generate_image("a cat in a hat")`` -> the image's PNG bytes; ``generate_image(model,
+        prompt)`` -> every image as ``Image``. InvalidArgument (field ``model``) for a model without
+        an image output."""
+        explicit = len(args) == 2
+        model, prompt = split_model(args, model, "generate_image", "prompt")
+        models = self.models()
+        model = model or default_model(models, "generate_image")
+        name = pick_output(models, model, Modality.IMAGE, output, "generate_image()")
+        images = images_of(self.generate(model, prompt, **kw), name)
+        return images if explicit else first_image(images, model)
 
     def models(self, *, timeout: float = QUICK_TIMEOUT_S) -> list[ModelInfo]:
         return self._transport.models(timeout)

@@ -78,6 +78,24 @@ def test_chat_prompts_with_the_last_user_message(client):
     assert result.text == rot13("Chat")
 
 
+def test_the_documented_one_line_calls(client, tmp_path):
+    """The forms the original M*'s README shows: the model defaults to the one the server serves,
+    a string is a one-user-message chat, tts() has .to_wav(), generate_image() gives bytes."""
+    assert client.chat("What is the capital of France?").text == rot13("What is the capital of France?")
+    chunks = list(client.chat("Tell me a story", stream=True))
+    assert "".join(c.text for c in chunks if c.name == "text") == rot13("Tell me a story")
+    assert client.chat("Chat", model="toy").text == client.chat("toy", "Chat").text == rot13("Chat")
+    path = client.tts("Hello there").to_wav(tmp_path / "out.wav")
+    with wave.open(str(path)) as w:
+        assert w.getnframes() == len("Hello there") * TONE_SAMPLES
+    with pytest.raises(InvalidArgument) as e:
+        client.generate_image("a cat in a hat")  # the toy draws no images
+    assert e.value.field == "model" and "no image output" in e.value.message
+    with pytest.raises(InvalidArgument) as e:
+        client.chat("toy", "Chat", model="toy")
+    assert e.value.field == "model"
+
+
 def test_files_travel(client, tmp_path):
     path = tmp_path / "note.txt"
     path.write_text("attached")
@@ -158,6 +176,21 @@ def test_health_and_models(client):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_async_client_one_line_calls(mesh, transport, tmp_path):
+    async def go():
+        async with AsyncMStarClient(_address(mesh, transport), timeout=WAIT_S) as c:
+            text = (await c.chat("Hello")).text
+            stream = await c.chat([{"role": "user", "content": "Hi"}], stream=True)
+            streamed = "".join([ch.text async for ch in stream if ch.name == "text"])
+            speech = await c.tts("Hey")
+            return text, streamed, speech.to_wav(tmp_path / "a.wav")
+
+    text, streamed, path = asyncio.run(asyncio.wait_for(go(), 60))
+    assert text == rot13("Hello") and streamed == rot13("Hi")
+    with wave.open(str(path)) as w:
+        assert w.getnframes() == 3 * TONE_SAMPLES
+
+
 def test_async_client(mesh, transport, tmp_path):
     async def go():
         async with AsyncMStarClient(_address(mesh, transport), timeout=WAIT_S) as c:

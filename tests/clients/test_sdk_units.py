@@ -154,13 +154,30 @@ def test_big_lines_and_image_outputs_over_rest(scripted_gateway):
     with MStarClient(scripted_gateway, timeout=10) as client:
         [image] = client.generate_image("painter", "a cat")
         assert image.data == IMAGE and image.mime_type == "image/png"
+        assert client.generate_image("a cat") == IMAGE  # the simple form: the served model's PNG bytes
         with pytest.raises(InvalidArgument) as e:
             client.tts("painter", "hi")
         assert e.value.field == "model" and "no audio output" in e.value.message
 
     async def go():
         async with AsyncMStarClient(scripted_gateway, timeout=10) as client:
-            return await client.generate_image("painter", "a cat")
+            return await client.generate_image("painter", "a cat"), await client.generate_image("a cat")
 
-    [image] = asyncio.run(asyncio.wait_for(go(), 20))
-    assert image.data == IMAGE
+    [image], png = asyncio.run(asyncio.wait_for(go(), 20))
+    assert image.data == IMAGE and png == IMAGE
+
+
+def test_the_model_defaults_only_when_the_server_serves_one():
+    from mstar.client.base import default_model, split_model
+    from mstar.client.types import ModelInfo
+
+    one = [ModelInfo.parse("toy", ["w"], ["text:text"], ["g"])]
+    assert default_model(one, "chat") == "toy"
+    two = [*one, ModelInfo.parse("orpheus", ["w"], ["audio:audio"], ["g"])]
+    with pytest.raises(InvalidArgument) as e:
+        default_model(two, "chat")
+    assert e.value.field == "model" and "serves 2 models (toy, orpheus)" in e.value.message and 'model="toy"' in e.value.message
+    assert split_model(("toy", "hi"), None, "chat", "messages") == ("toy", "hi")
+    assert split_model(("hi",), "toy", "chat", "messages") == ("toy", "hi")
+    with pytest.raises(TypeError, match=r"chat\(\) takes \(messages\) or \(model, messages\)"):
+        split_model((), None, "chat", "messages")
