@@ -196,7 +196,9 @@ class EngineNode(NodeSubmodule):
 
     def outputs(self, call: NodeCall, output: Any) -> dict[str, torch.Tensor]:
         """The call's outputs from the sequence's next ``SeqOutput``, or from None once the
-        request has no sequence here (finished, or never started)."""
+        request has no sequence here (finished, or never started). It may run on the engine's
+        thread (for a call that waited for the step) while other requests' calls are prepared
+        on the event loop: read and write only the call and its ``state``."""
         raise NotImplementedError
 
     def kv_stats(self) -> Any:

@@ -27,7 +27,7 @@ W = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(0)) / DIM**0.5
 
 def euler(x, cond, i):
     t = 1.0 - i / STEPS
-    return x - (1.0 / STEPS) * torch.tanh(x @ W + cond * t)
+    return x - (1.0 / STEPS) * torch.tanh(x @ W.to(x.device) + cond * t)
 
 
 class Prep(NodeSubmodule):

@@ -290,4 +290,4 @@ def _kv_to_host(o: SeqOutput) -> SeqOutput:
     the receiver to map the child's memory while the child keeps it alive."""
     if o.kv is None or o.kv.device.type == "cpu":
         return o
-    return SeqOutput(o.request_id, o.token_id, o.status, o.kv.cpu(), o.error)
+    return o._replace(kv=o.kv.cpu())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -52,9 +53,8 @@ class ImportSeq:
 SeqWork = StartSeq | ImportSeq
 
 
-@dataclass(frozen=True, slots=True)
-class SeqOutput:
-    """One step's output for one request."""
+class SeqOutput(NamedTuple):
+    """One step's output for one request (a tuple: made, pickled and read per token)."""
 
     request_id: str
     token_id: int | None  # None: the sequence was aborted or refused; see ``error``
@@ -64,7 +64,7 @@ class SeqOutput:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status > SeqStatus.PREEMPTED
 
 
 class LocalSeqEngine:

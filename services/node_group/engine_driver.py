@@ -9,6 +9,9 @@ round (``poll``). The driver keeps, on the event loop's thread alone:
 - per request, the call waiting for the sequence's next output, and outputs that came
   before their call (the engine decodes every running sequence each step, whenever the
   graph's loop asks for the next token).
+The outputs of calls that were waiting when a step was launched are made on the engine's
+thread right after the step (``EngineNode.outputs``), while the event loop is in gRPC with
+the GIL free; the rest on the event loop.
 It answers with typed results: ``Ready`` (outputs now), ``TAKEN`` (a later step answers) or
 ``DEFERRED`` (the work goes to the engine with its next step; a later step answers).
 """
@@ -112,25 +115,33 @@ class EngineDriver:
         if fut is not None and not fut.done():
             return None
         self._step = None
-        self._launch(loop)
         if fut is None:
+            self._launch(loop, ())
             return None
         try:
-            outs, t0 = fut.result()
+            outs, made, t0 = fut.result()
         except StepFailed as e:
             log.error("engine of node '%s' failed a step (requests %s)", self.node, e.request_ids, exc_info=e)
-            return self._fail(e.request_ids, e.__cause__ or e)
+            done = self._fail(e.request_ids, e.__cause__ or e)
+            self._launch(loop, ())
+            return done
         except Exception as e:
             log.exception("engine of node '%s' failed a step", self.node)
-            return self._fail(list(self._waiting), e)
+            done = self._fail(list(self._waiting), e)
+            self._launch(loop, ())
+            return done
         self.steps += 1
         self.last_step_s = time.perf_counter() - t0
-        return self._route(outs)
+        # the next step runs while this one's outputs are routed: the calls they answer do not
+        # wait for it
+        self._launch(loop, {o.request_id for o in outs})
+        return self._route(outs, made)
 
-    def _launch(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _launch(self, loop: asyncio.AbstractEventLoop, answered) -> None:
         if not (self._work or self._releases or self.engine.has_work):
             return
-        args = (self.engine, self._work, self._releases, time.perf_counter())
+        waiting = {rid: call for rid, (call, _) in self._waiting.items() if rid not in answered}
+        args = (self.engine, self._work, self._releases, time.perf_counter(), self.sub.outputs, waiting)
         self._work, self._releases = [], []
         if self.sub.blocking:
             fut = loop.run_in_executor(self._executor, _engine_step, *args)
@@ -143,7 +154,7 @@ class EngineDriver:
         fut.add_done_callback(lambda _f: self._wake())
         self._step = fut
 
-    def _route(self, outs: list[SeqOutput]) -> list[Completion]:
+    def _route(self, outs: list[SeqOutput], made: dict[str, tuple[NodeCall, dict | Exception]]) -> list[Completion]:
         done: list[Completion] = []
         for out in outs:
             rid = out.request_id
@@ -156,8 +167,10 @@ class EngineDriver:
             waiting = self._waiting.pop(rid, None)
             if waiting is None:
                 self._early.setdefault(rid, deque()).append(out)
-            else:
-                done.append((waiting[0], waiting[1], self._outputs(waiting[0], out)))
+                continue
+            pre = made.pop(rid, None)  # made on the engine's thread for this very call
+            result = pre[1] if pre is not None and pre[0] is waiting[0] else self._outputs(waiting[0], out)
+            done.append((waiting[0], waiting[1], result))
         return done
 
     def _fail(self, request_ids, error: BaseException) -> list[Completion]:
@@ -185,10 +198,21 @@ class EngineDriver:
         self.sub.close()
 
 
-def _engine_step(engine, work: list[tuple[str, SeqWork]], releases: list[str], t0: float):
-    """One engine step on the engine's thread: releases, then new work, then the step."""
+def _engine_step(engine, work: list[tuple[str, SeqWork]], releases: list[str], t0: float, outputs,
+                 waiting: dict[str, NodeCall]):
+    """One engine step on the engine's thread: releases, then new work, then the step; then the
+    outputs of the calls that were waiting for it (each request's first output of the step)."""
     for rid in releases:
         engine.release(rid)
     for rid, w in work:
         engine.submit(rid, w)
-    return (engine.step() if engine.has_work else []), t0
+    outs = engine.step() if engine.has_work else []
+    made: dict[str, tuple[NodeCall, dict | Exception]] = {}
+    for out in outs:
+        call = waiting.pop(out.request_id, None)
+        if call is not None and out.token_id is not None:
+            try:
+                made[out.request_id] = (call, outputs(call, out))
+            except Exception as e:
+                made[out.request_id] = (call, e)
+    return outs, made, t0

@@ -57,7 +57,7 @@ def pages(mesh, group):
     return mesh.runtime(group).submodules["llm"].kv_stats().pages_used
 
 
-async def settled(mesh, group, used0, timeout=5.0):
+async def settled(mesh, group, used0, timeout=15.0):
     """Pages in use once the engine applied the releases (they go with its next step)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while pages(mesh, group) != used0 and asyncio.get_running_loop().time() < deadline:
