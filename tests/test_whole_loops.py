@@ -25,9 +25,9 @@ STEPS, DIM = 10, 6
 W = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(0)) / DIM**0.5
 
 
-def euler(x, cond, i):
+def euler(x, cond, i, w=W):
     t = 1.0 - i / STEPS
-    return x - (1.0 / STEPS) * torch.tanh(x @ W.to(x.device) + cond * t)
+    return x - (1.0 / STEPS) * torch.tanh(x @ w + cond * t)
 
 
 class Prep(NodeSubmodule):
@@ -42,9 +42,12 @@ class Prep(NodeSubmodule):
 class Euler(LoopBodyNode):
     calls = 0
 
+    def __init__(self):
+        self.w = W.to(self.device)  # on the device before any capture, as a model's weights are
+
     def step(self, inputs, iteration):
         Euler.calls += 1
-        return {"x": euler(inputs["x"], inputs["cond"][:, None, :], iteration)}
+        return {"x": euler(inputs["x"], inputs["cond"][:, None, :], iteration, self.w)}
 
 
 class Out(NodeSubmodule):
