@@ -17,7 +17,7 @@ HF_TINY = dict(hidden_size=48, num_attention_heads=3, num_hidden_layers=2, mlp_r
 
 # The AC model whose reference outputs are in data/ (see data/README.md): 3x3 tokens a frame.
 AC_TINY = VJepa2Config(EncoderConfig(dim=32, depth=2, heads=2, mlp_dim=64, patch=4, crop=12, frames=64),
-                       None, ACConfig(dim=48, depth=2, heads=3, mlp_dim=96))
+                       None, ACConfig(dim=48, depth=2, heads=3, mlp_dim=192))  # the reference fixes mlp_ratio 4
 AC_SEED = 1234
 
 
