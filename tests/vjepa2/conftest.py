@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mstar.models.vjepa2.config import ACConfig, EncoderConfig, PredictorConfig, VJepa2Config
+from mstar.models.vjepa2.config import ACConfig, EncoderConfig, VJepa2Config
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -5,8 +5,8 @@ each frame once through a K/V cache."""
 
 import pytest
 import torch
-
 from conftest import DATA
+
 from mstar.models.vjepa2 import cem, rollout, weights
 from mstar.models.vjepa2.pose import new_pose
 
