@@ -207,8 +207,11 @@ class VJepa2Model(Model):
 
     # -- node-group side -----------------------------------------------------------------------
     def create_submodule(self, ctx: NodeContext) -> NodeSubmodule:
+        import dataclasses
+
         from mstar.models.vjepa2 import nodes
 
+        ctx = dataclasses.replace(ctx, cache_dir=ctx.cache_dir or self.cache_dir)
         ck = self.checkpoints()
         if ctx.node == "video_encoder":
             return nodes.VideoEncoderNode(ctx, ck["checkpoint"], ck["ac_checkpoint"])

@@ -155,6 +155,11 @@ def _read_hf(directory: Path) -> Loaded:
         if not (directory / f).is_file():
             raise CheckpointError(f"{directory}: missing weights file {f}")
         sd.update(load_file(str(directory / f)))
+    return from_hf(sd, cfg)
+
+
+def from_hf(sd: dict[str, torch.Tensor], cfg: VJepa2Config) -> Loaded:
+    """A Hugging Face state dict (``VJEPA2Model`` / ``VJEPA2ForVideoClassification``) in our names."""
     sd = {k.removeprefix("vjepa2."): v for k, v in sd.items()}
     enc: dict[str, torch.Tensor] = {}
     for p in ("weight", "bias"):

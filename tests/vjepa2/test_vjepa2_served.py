@@ -169,3 +169,37 @@ def test_bad_inputs_are_invalid_argument_naming_the_field(served, ref):
         assert isinstance(e, grpc.aio.AioRpcError), (field, e)
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, e)
         assert e.details().startswith(field + ":"), (field, e.details())
+
+
+def test_random_weights_serve_every_task_and_missing_checkpoints_say_where(tmp_path):
+    """``mstar serve vjepa2 --random-weights``: the tiny checkpoints written in both layouts load;
+    without them the launcher's check names what is missing."""
+    from mstar.models.base import MissingAssets
+    from mstar.models.registry import create_model
+
+    with pytest.raises(MissingAssets, match="checkpoint 'facebook/vjepa2-vitl-fpc64-256' not found"):
+        create_model("vjepa2", {}, str(tmp_path)).check_assets()
+    written = create_model("vjepa2", {}, str(tmp_path)).write_random_weights(str(tmp_path))
+    assert len(written) == 2
+    model = create_model("vjepa2", {}, str(tmp_path))
+    model.check_assets()
+    cfgs = model.configs()
+    assert cfgs["checkpoint"].predictor is not None and cfgs["ac_checkpoint"].ac is not None
+    cfg = parse_config({"model": "vjepa2", "node_groups": [{"name": "g", "node_names": ["video_encoder", "predictor",
+                                                                                          "ac_predictor"]}]})
+    frames = (np.random.default_rng(1).random((2, 40, 40, 3)) * 255).astype(np.uint8)
+
+    async def go():
+        async with inprocess_mesh(cfg, cache_dir=str(tmp_path)) as mesh:
+            enc, _ = await collect(mesh.stub, req([npy(frames)]))
+            pred, _ = await collect(mesh.stub, req([npy(frames)], task="predict", target_ids=[0, 5]))
+            roll, _ = await collect(mesh.stub, req([npy(frames[:1])], task="rollout", actions=[[0.01] * 7] * 3,
+                                                   states=[[0.0] * 7]))
+            plan, _ = await collect(mesh.stub, req([npy(frames[:1]), npy(frames[1:])], task="plan",
+                                                   states=[[0.0] * 7], samples=8, topk=2, cem_steps=2))
+            return enc, pred, roll, plan
+    enc, pred, roll, plan = run(go(), timeout=120)
+    assert tensor(enc["latents"]).shape == (16, 64)  # 32 px / patch 8 -> 4x4 tokens, one tubelet
+    assert tensor(pred["predicted"]).shape == (2, 64)
+    assert tensor(roll["frames"]).shape == (3, 16, 64) and tensor(roll["poses"]).shape == (3, 7)
+    assert tensor(plan["action"]).shape == (2, 7)
