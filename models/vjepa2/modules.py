@@ -24,19 +24,26 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
-        """``cache``: this layer's (K, V) buffers ``[B, heads, capacity, head_dim]``; the new tokens'
-        K/V go to ``[start, start + N)`` and the queries attend to everything before their end
-        (the AC predictor's rollout step: earlier frames' K/V never change)."""
+                cache: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> torch.Tensor:
+        """``cache``: per segment of the batch's rows (in order), that layer's K / V buffers
+        ``[rows, heads, capacity, head_dim]`` and where the new tokens go: their K/V are written at
+        ``[start, start + N)`` and their queries attend to everything before ``start + N`` (a
+        rollout step: earlier frames' K/V never change). Several segments are several rollouts
+        at different frames in one batch: one projection for all, attention per segment."""
         B, N, C = x.shape
         q, k, v = self.qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        if cache is not None:
-            kc, vc = cache
-            kc[:, :, start:start + N] = k
-            vc[:, :, start:start + N] = v
-            k, v = kc[:, :, :start + N], vc[:, :, :start + N]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            outs, row = [], 0
+            for kc, vc, start in cache:
+                rows = slice(row, row + kc.shape[0])
+                row += kc.shape[0]
+                kc[:, :, start:start + N] = k[rows]
+                vc[:, :, start:start + N] = v[rows]
+                outs.append(F.scaled_dot_product_attention(q[rows], kc[:, :, :start + N], vc[:, :, :start + N]))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.proj(out.transpose(1, 2).reshape(B, N, C))
 
 
@@ -57,8 +64,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, mlp_dim)
 
-    def forward(self, x, cos, sin, mask=None, cache=None, start=0):
-        x = x + self.attn(self.norm1(x), cos, sin, mask, cache, start)
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        x = x + self.attn(self.norm1(x), cos, sin, mask, cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -218,11 +225,23 @@ class ACPredictor(nn.Module):
         """Frame ``t`` of a rollout: its 2 + P tokens only, attending to the cached frames < t.
         ``frame`` ``[B, P, enc.dim]``, ``action`` / ``state`` ``[B, 7]`` -> the prediction of frame
         t + 1, ``[B, P, enc.dim]`` (before the rollout's layer norm)."""
-        if not 0 <= t < cache.frames:
-            raise ValueError(f"frame {t} is past the cache's {cache.frames} frames")
+        return self.step_many(frame, action, state, [(cache, t)])
+
+    def step_many(self, frame: torch.Tensor, action: torch.Tensor, state: torch.Tensor,
+                  segments: list[tuple[KVCache, int]]) -> torch.Tensor:
+        """``step`` for several rollouts at once: the rows of ``frame`` / ``action`` / ``state`` are
+        the rollouts' rows in ``segments`` order, each rollout at its own frame ``t``."""
+        for cache, t in segments:
+            if not 0 <= t < cache.frames:
+                raise ValueError(f"frame {t} is past the cache's {cache.frames} frames")
         x = self._tokens(frame.unsqueeze(1), action.unsqueeze(1), state.unsqueeze(1))[:, 0]
-        cos, sin = self.frame_tables(t, x.dtype, x.device)
-        start = t * cache.tokens_per_frame
+        tabs = [self.frame_tables(t, x.dtype, x.device) for _, t in segments]
+        if len(segments) == 1:
+            cos, sin = tabs[0]
+        else:  # [rows, 1, F, hd]: each row its rollout's frame index
+            rows = [c.buf.shape[2] for c, _ in segments]
+            cos = torch.cat([c.expand(r, -1, -1) for (c, _), r in zip(tabs, rows, strict=True)]).unsqueeze(1)
+            sin = torch.cat([s.expand(r, -1, -1) for (_, s), r in zip(tabs, rows, strict=True)]).unsqueeze(1)
         for i, blk in enumerate(self.predictor_blocks):
-            x = blk(x, cos, sin, cache=cache.layer(i), start=start)
+            x = blk(x, cos, sin, cache=[(*c.layer(i), t * c.tokens_per_frame) for c, t in segments])
         return self._out(x)

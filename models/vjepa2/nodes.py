@@ -119,17 +119,21 @@ class ACPredictorNode(NodeSubmodule):
         self._loops: dict[tuple[int, int], Any] = {}
 
     # -- rollout / rollout_streaming: one predicted frame per loop iteration ----------------
-    def _rollout_step(self, c: NodeCall) -> dict[str, torch.Tensor]:
+    def _rollout_steps(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
+        """One step of every call's rollout, batched: each request at its own frame."""
         assert self.ac is not None
-        acts = c.inputs["actions"].to(self.device).unsqueeze(0)
-        r = c.state.get("rollout")
-        if r is None:
-            context = c.inputs["context"].unsqueeze(0)
-            T = context.shape[1]
-            states = c.inputs["states"].to(self.device).unsqueeze(0)
-            r = c.state["rollout"] = rollout.start(self.ac, context, acts, states, acts.shape[1] - (T - 1))
-        frame, pose = rollout.advance(self.ac, r, acts[:, r.t])
-        return {"frames": frame, "poses": pose}
+        rs, acts = [], []
+        for c in calls:
+            a = c.inputs["actions"].to(self.device).unsqueeze(0)
+            r = c.state.get("rollout")
+            if r is None:  # the request's first iteration: its context frames into a new cache
+                context = c.inputs["context"].unsqueeze(0)
+                T = context.shape[1]
+                states = c.inputs["states"].to(self.device).unsqueeze(0)
+                r = c.state["rollout"] = rollout.start(self.ac, context, a, states, a.shape[1] - (T - 1))
+            rs.append(r)
+            acts.append(a[:, r.t])
+        return [{"frames": f, "poses": p} for f, p in rollout.advance_many(self.ac, rs, acts)]
 
     # -- plan: one CEM iteration per loop iteration ----------------------------------------------
     def _world_model(self, context: torch.Tensor, state: torch.Tensor, steps: int):
@@ -169,7 +173,9 @@ class ACPredictorNode(NodeSubmodule):
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         assert self.ac is not None, "the conductor admits no AC walk without an AC checkpoint"
         with torch.inference_mode():
-            return [self._cem_step(c) if c.walk == "plan" else self._rollout_step(c) for c in calls]
+            if calls[0].walk == "plan":  # a batch is one walk's calls
+                return [self._cem_step(c) for c in calls]
+            return self._rollout_steps(calls)
 
     def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:
         if call.walk == "plan":

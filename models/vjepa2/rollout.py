@@ -57,6 +57,23 @@ def advance(pred: ACPredictor, r: Rollout, action: torch.Tensor) -> tuple[torch.
     return frame, pose
 
 
+def advance_many(pred: ACPredictor, rs: list[Rollout], actions: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``advance`` for several rollouts (requests) in one batched step; each at its own frame."""
+    if len(rs) == 1:
+        return [advance(pred, rs[0], actions[0])]
+    action = torch.cat(actions)
+    out = normalize(pred.step_many(torch.cat([r.frame for r in rs]), action, torch.cat([r.pose for r in rs]),
+                                   [(r.cache, r.t) for r in rs]))
+    poses = new_pose(torch.cat([r.pose for r in rs]), action.to(rs[0].pose.dtype))
+    result, row = [], 0
+    for r in rs:
+        n = r.frame.shape[0]
+        r.frame, r.pose, r.t = out[row:row + n], poses[row:row + n], r.t + 1
+        result.append((r.frame, r.pose))
+        row += n
+    return result
+
+
 def rollout(pred: ACPredictor, context: torch.Tensor, actions: torch.Tensor, states: torch.Tensor,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every predicted frame and pose: ``[B, H, P, E]``, ``[B, H, 7]`` with H = actions - (T - 1)."""

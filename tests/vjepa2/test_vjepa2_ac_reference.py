@@ -112,3 +112,27 @@ def test_cem_energies_topk_and_plan_match_reference(model, ref):
         torch.testing.assert_close(energies, ref["cem_energies"][it], atol=1e-5, rtol=0)
         assert torch.equal(top, ref["cem_topk"][it]), it
     torch.testing.assert_close(plan, ref["cem_plan"], atol=1e-5, rtol=0)
+
+
+def test_rollouts_at_different_frames_batch_into_one_step(model, ref):
+    """Requests in one served batch sit at different frames of their own rollouts: one batched
+    step (attention per request) gives each what its own step gives."""
+    _, ac = model
+    reps, acts, states = ref["reps"].view(1, 3, P, E), ref["actions"], ref["states"]
+
+    def fresh():
+        a = rollout.start(ac, reps[:, :2], acts, states[:, :2], 3)  # at frame 1 of 4
+        b = rollout.start(ac, reps[:, 2:].expand(2, -1, -1, -1), acts.expand(2, -1, -1), states[:, 2:].expand(2, -1, -1), 4)
+        rollout.advance(ac, b, acts[:, 3].expand(2, -1))  # now at frame 1 of 4, its own history
+        rollout.advance(ac, b, acts[:, 4].expand(2, -1))  # frame 2
+        return a, b
+
+    with torch.no_grad():
+        a, b = fresh()
+        one = [rollout.advance(ac, a, acts[:, 1]), rollout.advance(ac, b, acts[:, 5].expand(2, -1))]
+        a, b = fresh()
+        both = rollout.advance_many(ac, [a, b], [acts[:, 1], acts[:, 5].expand(2, -1)])
+    for (f1, p1), (f2, p2) in zip(one, both, strict=True):
+        torch.testing.assert_close(f2, f1, atol=1e-5, rtol=0)
+        torch.testing.assert_close(p2, p1, atol=0, rtol=0)
+    assert (a.t, b.t) == (2, 3)

@@ -203,3 +203,37 @@ def test_random_weights_serve_every_task_and_missing_checkpoints_say_where(tmp_p
     assert tensor(pred["predicted"]).shape == (2, 64)
     assert tensor(roll["frames"]).shape == (3, 16, 64) and tensor(roll["poses"]).shape == (3, 7)
     assert tensor(plan["action"]).shape == (2, 7)
+
+
+def test_concurrent_rollouts_batch_and_each_gets_its_own(served, ref, monkeypatch):
+    """Rollouts of different lengths and contexts in flight together (batched steps, each request
+    at its own frame) give what each gives alone."""
+    import asyncio
+
+    sizes = []
+    advance_many = rollout.advance_many
+
+    def counting(pred, rs, actions):
+        sizes.append(len(rs))
+        return advance_many(pred, rs, actions)
+    monkeypatch.setattr(rollout, "advance_many", counting)
+
+    cfg, (_, _, ac_enc, ac) = served
+    images, acts, states = ref["images"], ref["actions"][0], ref["states"][0]
+    specs = [(1, 3), (2, 5), (3, 2), (1, 6)]  # (context frames, steps)
+    reqs = [req([npy(images[:T].numpy())], task="rollout", stream=(i % 2 == 1), actions=acts[:T - 1 + H].tolist(),
+                states=states[:T].tolist()) for i, (T, H) in enumerate(specs)]
+
+    async def go():
+        async with inprocess_mesh(cfg) as mesh:
+            return await asyncio.gather(*(collect(mesh.stub, r, timeout=60) for r in reqs))
+    outs = run(go(), timeout=120)
+    assert max(sizes) > 1, sizes  # steps of several requests ran as one batch
+    with torch.no_grad():
+        reps = rollout.normalize(ac_enc(images.unsqueeze(2)))
+        for (T, H), (out, _) in zip(specs, outs, strict=True):
+            frames, poses = rollout.rollout(ac, reps[:T].unsqueeze(0), acts[:T - 1 + H].unsqueeze(0), states[:T].unsqueeze(0))
+            got = torch.cat([tensor(out["frames"], i) for i in range(len(out["frames"]))])
+            torch.testing.assert_close(got, frames[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.cat([tensor(out["poses"], i) for i in range(len(out["poses"]))]), poses[0],
+                                       atol=0, rtol=0)
