@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from mstar.models.base import InputFile, InvalidArgument
 
-VIDEO_EXT = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 IMAGE_EXT = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
@@ -35,16 +34,21 @@ class Limits:
 
 
 def _kind(f: InputFile) -> str:
+    """By name or content type, else by content (a REST file part is named by its form field and
+    often typed application/octet-stream): npy's magic, a safetensors JSON header, else a video."""
     name, ct = f.name.lower(), f.content_type.lower()
-    if name.endswith(".npy") or ct in ("application/x-npy", "application/npy"):
+    if name.endswith(".npy") or ct in ("application/x-npy", "application/npy") or f.data[:6] == b"\x93NUMPY":
         return "npy"
-    if name.endswith(".safetensors") or ct == "application/x-safetensors":
+    if name.endswith(".safetensors") or ct == "application/x-safetensors" or _looks_safetensors(f.data):
         return "safetensors"
-    if name.endswith(VIDEO_EXT) or ct.startswith("video/"):
-        return "video"
     if name.endswith(IMAGE_EXT) or ct.startswith("image/"):
         return "image"
-    return "unknown"
+    return "video"  # PyAV says whether it is one
+
+
+def _looks_safetensors(data: bytes) -> bool:
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    return 0 < n <= len(data) - 8 and data[8:9] == b"{"
 
 
 def _decode_av(f: InputFile, field: str, step: int, limits: Limits) -> np.ndarray:
@@ -109,9 +113,6 @@ def load_frames(f: InputFile, field: str, crop: int, short_side: int, step: int 
     if len(f.data) > limits.max_bytes:
         raise InvalidArgument(field, f"{len(f.data)} bytes; at most {limits.max_bytes}")
     kind = _kind(f)
-    if kind == "unknown":
-        raise InvalidArgument(field, f"unknown file type (name {f.name!r}, content_type {f.content_type!r}); send a "
-                                     f"video ({', '.join(VIDEO_EXT)}), an image, or frames as .npy / .safetensors")
     if kind in ("video", "image"):
         arr = _decode_av(f, field, step, limits)
     else:

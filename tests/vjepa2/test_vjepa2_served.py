@@ -123,21 +123,25 @@ def test_encode_predict_rollout_stream_and_plan_match_the_modules(served, ref):
     assert tensor(plan["energies"]).shape == (4,)
 
 
-def test_a_video_file_decodes_on_the_conductor(served, tmp_path):
+@pytest.mark.parametrize("fmt, codec, mime", [("mp4", "mpeg4", "video/mp4"), ("webm", "libvpx-vp9", "video/webm")])
+def test_a_video_file_decodes_on_the_conductor(served, fmt, codec, mime):
     av = pytest.importorskip("av")
     cfg, (enc, *_) = served
-    path = tmp_path / "clip.mp4"
+    buf = io.BytesIO()
     rgb = (np.random.default_rng(0).random((4, 32, 48, 3)) * 255).astype(np.uint8)
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=8)
+    with av.open(buf, "w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=8)
         stream.width, stream.height, stream.pix_fmt = 48, 32, "yuv420p"
         for f in rgb:
             out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         out.mux(stream.encode())
-    data = path.read_bytes()
-    (got,) = mesh_call(cfg, req([cpb.InputFile(name="clip.mp4", content_type="video/mp4", data=data)]))
-    assert not isinstance(got, Exception), got
-    frames = media.load_frames(media.InputFile("clip.mp4", "video/mp4", data), "files[0]", 16, 18)
+    data = buf.getvalue()
+    # typed by name, and as a REST form part arrives: named by its field, application/octet-stream
+    got, untyped = mesh_call(cfg, req([cpb.InputFile(name=f"clip.{fmt}", content_type=mime, data=data)]),
+                             req([cpb.InputFile(name="video", content_type="application/octet-stream", data=data)]))
+    assert not isinstance(got, Exception) and not isinstance(untyped, Exception), (got, untyped)
+    assert torch.equal(tensor(got["latents"]), tensor(untyped["latents"]))
+    frames = media.load_frames(media.InputFile(f"clip.{fmt}", mime, data), "files[0]", 16, 18)
     assert frames.shape == (4, 16, 16, 3)
     with torch.no_grad():
         want = enc(media.normalize(frames, "cpu", torch.float32).unsqueeze(0).transpose(1, 2))[0]
@@ -188,11 +192,13 @@ def test_random_weights_serve_every_task_and_missing_checkpoints_say_where(tmp_p
     cfg = parse_config({"model": "vjepa2", "node_groups": [{"name": "g", "node_names": ["video_encoder", "predictor",
                                                                                           "ac_predictor"]}]})
     frames = (np.random.default_rng(1).random((2, 40, 40, 3)) * 255).astype(np.uint8)
+    untyped = lambda arr: cpb.InputFile(name="frames", content_type="application/octet-stream",  # noqa: E731
+                                        data=npy(arr).data)
 
     async def go():
         async with inprocess_mesh(cfg, cache_dir=str(tmp_path)) as mesh:
             enc, _ = await collect(mesh.stub, req([npy(frames)]))
-            pred, _ = await collect(mesh.stub, req([npy(frames)], task="predict", target_ids=[0, 5]))
+            pred, _ = await collect(mesh.stub, req([untyped(frames)], task="predict", target_ids=[0, 5]))
             roll, _ = await collect(mesh.stub, req([npy(frames[:1])], task="rollout", actions=[[0.01] * 7] * 3,
                                                    states=[[0.0] * 7]))
             plan, _ = await collect(mesh.stub, req([npy(frames[:1]), npy(frames[1:])], task="plan",
