@@ -8,12 +8,26 @@ an exact-erf GELU MLP.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mstar.models.vjepa2 import rope
 from mstar.models.vjepa2.config import ACConfig, EncoderConfig, PredictorConfig
+
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def sdpa_order(names: tuple[str, ...] | None):
+    """SDPA kernels tried in this order (the first that takes the inputs runs); None: torch's
+    choice. cuDNN's attention can beat FlashAttention-2 on Hopper; measure before choosing."""
+    if not names:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPA_BACKENDS[n] for n in names], set_priority=True)
 
 
 class Attention(nn.Module):
@@ -82,6 +96,9 @@ class PatchEmbed(nn.Module):
 class Encoder(nn.Module):
     """Pixels ``[B, C, T, H, W]`` (normalised) -> ``[B, T/tubelet * H/patch * W/patch, dim]``."""
 
+    #: SDPA kernel order (``sdpa_order``), None: torch's choice
+    sdpa: tuple[str, ...] | None = None
+
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.cfg = cfg
@@ -98,8 +115,9 @@ class Encoder(nn.Module):
         ids = torch.arange(t * h * w, device=x.device)
         cos, sin = rope.tables(cfg.dim // cfg.heads, *rope.grid_positions(ids, h, w))
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        for blk in self.blocks:
-            x = blk(x, cos, sin)
+        with sdpa_order(self.sdpa):
+            for blk in self.blocks:
+                x = blk(x, cos, sin)
         return self.norm(x)
 
 
@@ -159,6 +177,8 @@ class ACPredictor(nn.Module):
     """Per frame the tokens are [action, state, frame tokens]; attention is block-causal by frame;
     frame tokens get RoPE (frame index, row, column), action and state tokens the frame index in
     the depth chunk only. Outputs the frame tokens, normed, projected back to the encoder width."""
+
+    sdpa: tuple[str, ...] | None = None  # as Encoder.sdpa
 
     def __init__(self, cfg: ACConfig, enc: EncoderConfig, use_extrinsics: bool = True):
         super().__init__()
@@ -242,6 +262,7 @@ class ACPredictor(nn.Module):
             rows = [c.buf.shape[2] for c, _ in segments]
             cos = torch.cat([c.expand(r, -1, -1) for (c, _), r in zip(tabs, rows, strict=True)]).unsqueeze(1)
             sin = torch.cat([s.expand(r, -1, -1) for (_, s), r in zip(tabs, rows, strict=True)]).unsqueeze(1)
-        for i, blk in enumerate(self.predictor_blocks):
-            x = blk(x, cos, sin, cache=[(*c.layer(i), t * c.tokens_per_frame) for c, t in segments])
+        with sdpa_order(self.sdpa):
+            for i, blk in enumerate(self.predictor_blocks):
+                x = blk(x, cos, sin, cache=[(*c.layer(i), t * c.tokens_per_frame) for c, t in segments])
         return self._out(x)

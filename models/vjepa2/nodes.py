@@ -41,7 +41,11 @@ class Weights:
         key = (name, ctx.cache_dir, ctx.device, str(dtype_of(ctx.model_kwargs, ctx.device)))
         if key not in cls._cache:
             path = weights.resolve(name, ctx.cache_dir)
-            cls._cache[key] = weights.build(weights.read(path), ctx.device, dtype_of(ctx.model_kwargs, ctx.device))
+            mods = cls._cache[key] = weights.build(weights.read(path), ctx.device, dtype_of(ctx.model_kwargs, ctx.device))
+            order = ctx.model_kwargs.get("attention")  # e.g. "cudnn,flash,efficient"
+            for m in (mods[0], mods[2]):
+                if m is not None and order:
+                    m.sdpa = tuple(order.split(","))
             log.info("vjepa2: loaded %s on %s", path, ctx.device)
         return cls._cache[key]
 
