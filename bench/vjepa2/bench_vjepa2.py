@@ -1,0 +1,286 @@
+"""V-JEPA 2 / V-JEPA 2-AC throughput, in one process (full-size random weights, bf16 on a GPU).
+
+1. encoder: clips/s and tokens/s on 64 frames at 256^2 (B = 1, 4), ours against transformers'
+   ``VJEPA2Model`` (SDPA, same weights), with the FLOP floor at the measured bf16 matmul peak;
+2. rollout: the AC predictor (ViT-g 1408 -> 1024 wide, 24 layers) from one context frame at batch
+   100 and 400 for H in {2, 8, 24, 30}: our cached rollout against the reference-style loop that
+   recomputes the whole context every step (written here with our modules); rows run in chunks
+   whose K/V cache fits ``--cache-gib``;
+3. plan: one full CEM call at the reference ``WorldModel``'s defaults (rollout 2, 400 samples,
+   top-k 10, 10 iterations), its rollouts as one CUDA graph per iteration, against its FLOPs at
+   the measured peak.
+
+    python bench/vjepa2/bench_vjepa2.py --device cuda --out bench/results/vjepa2/h100.json
+    python bench/vjepa2/bench_vjepa2.py --device cpu --tiny --out /tmp/vjepa2-smoke.json   # a smoke run
+
+Importing this file does nothing; everything runs under ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict
+from functools import partial
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, iters: int = 5, warmup: int = 1) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_tflops(device: str, dtype: torch.dtype) -> float:
+    n = 8192 if device.startswith("cuda") else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    s = timed(lambda: a @ b, device, iters=10, warmup=3)
+    return 2 * n**3 / s / 1e12
+
+
+# -- FLOPs (multiply-adds x 2; LayerNorms, softmax and RoPE left out) --------------------------------
+
+def block_flops(tokens: int, keys: int, dim: int, mlp: int) -> float:
+    return 2 * tokens * dim * (3 * dim + dim + 2 * mlp) + 4 * tokens * keys * dim
+
+
+def encoder_flops(cfg, frames: int, crop: int) -> float:
+    n = (frames // cfg.tubelet) * (crop // cfg.patch) ** 2
+    embed = 2 * n * cfg.dim * cfg.in_chans * cfg.tubelet * cfg.patch**2
+    return embed + cfg.depth * block_flops(n, n, cfg.dim, cfg.mlp_dim)
+
+
+def ac_step_flops(ac, enc, t: int) -> float:
+    """Frame t of a cached rollout: its 2 + P tokens against (t + 1) frames of keys."""
+    f = 2 + enc.tokens_per_tubelet
+    io = 2 * enc.tokens_per_tubelet * enc.dim * ac.dim * 2 + 2 * 2 * 7 * ac.dim
+    return io + ac.depth * block_flops(f, (t + 1) * f, ac.dim, ac.mlp_dim)
+
+
+def ac_recompute_flops(ac, enc, frames: int) -> float:
+    """The reference's forward over ``frames`` frames (a dense masked attention over all of them)."""
+    f = 2 + enc.tokens_per_tubelet
+    n = frames * f
+    io = 2 * frames * enc.tokens_per_tubelet * enc.dim * ac.dim * 2 + frames * 2 * 2 * 7 * ac.dim
+    return io + ac.depth * block_flops(n, n, ac.dim, ac.mlp_dim)
+
+
+# -- the parts ------------------------------------------------------------------------------------
+
+def bench_encoder(args, dtype, peak) -> dict:
+    from transformers import VJEPA2Config, VJEPA2Model
+
+    from mstar.models.vjepa2 import weights
+
+    hf_kw = dict(crop_size=args.crop, frames_per_clip=args.frames)
+    if args.tiny:
+        hf_kw.update(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, patch_size=8, pred_hidden_size=32,
+                     pred_num_attention_heads=2, pred_num_hidden_layers=1)
+    torch.manual_seed(0)
+    hf = VJEPA2Model(VJEPA2Config(**hf_kw, attn_implementation="sdpa")).to(args.device, dtype).eval()
+    loaded = weights.from_hf({k: v for k, v in hf.state_dict().items()}, weights.VJepa2Config.from_hf(hf_kw))
+    loaded.predictor = None
+    enc = weights.build(loaded, args.device, dtype)[0]
+    cfg = loaded.config.encoder
+    out = {"config": asdict(cfg), "frames": args.frames, "crop": args.crop, "flops_per_clip": encoder_flops(cfg, args.frames, args.crop),
+           "batches": []}
+    tokens = (args.frames // cfg.tubelet) * (args.crop // cfg.patch) ** 2
+    for B in args.encoder_batches:
+        video = torch.randn(B, args.frames, 3, args.crop, args.crop, device=args.device, dtype=dtype)
+        with torch.inference_mode():
+            ours = enc(video.transpose(1, 2))
+            theirs = hf(pixel_values_videos=video, skip_predictor=True).last_hidden_state
+            diff = (ours.float() - theirs.float()).abs().max().item()
+            t_hf = timed(partial(hf, pixel_values_videos=video, skip_predictor=True), args.device, args.iters)
+            by_backend = {}
+            for order in args.attention:  # "default": torch's choice; else e.g. "cudnn,flash"
+                enc.sdpa = None if order == "default" else tuple(order.split(","))
+                by_backend[order] = timed(partial(enc, video.transpose(1, 2)), args.device, args.iters)
+            enc.sdpa = None
+        best = min(by_backend, key=by_backend.get)
+        t_ours = by_backend[best]
+        floor = out["flops_per_clip"] * B / (peak * 1e12)
+        row = {"batch": B, "ours_s": t_ours, "ours_attention": best, "ours_s_by_attention": by_backend,
+               "transformers_s": t_hf, "speedup": t_hf / t_ours,
+               "ours_clips_per_s": B / t_ours, "transformers_clips_per_s": B / t_hf,
+               "ours_tokens_per_s": B * tokens / t_ours, "transformers_tokens_per_s": B * tokens / t_hf,
+               "flop_floor_s": floor, "ours_over_floor": t_ours / floor, "max_abs_diff_vs_transformers": diff}
+        out["batches"].append(row)
+        print(f"encoder B={B}: ours {B / t_ours:.2f} clips/s, transformers {B / t_hf:.2f} clips/s "
+              f"(x{t_hf / t_ours:.2f}); {t_ours / floor:.2f}x the FLOP floor; max |diff| {diff:.3g}", flush=True)
+    del hf, enc
+    return out
+
+
+def ac_model(args, dtype):
+    from mstar.models.vjepa2.config import ACConfig, EncoderConfig
+    from mstar.models.vjepa2.modules import ACPredictor
+
+    if args.tiny:
+        enc, ac = EncoderConfig(dim=48, depth=1, heads=4, mlp_dim=96, patch=4, crop=16), ACConfig(dim=64, depth=2, heads=4, mlp_dim=256)
+    else:  # V-JEPA 2-AC: the ViT-g encoder's width, the 1024-wide predictor
+        enc, ac = EncoderConfig(dim=1408, depth=40, heads=22, mlp_dim=6144), ACConfig()
+    torch.manual_seed(0)
+    pred = ACPredictor(ac, enc, use_extrinsics=False).to(args.device, dtype).eval()
+    return pred, enc, ac
+
+
+def chunk_rows(args, pred, steps: int) -> int:
+    cache = pred.new_cache(1, 1, device="meta")
+    per_row = cache.nbytes * steps
+    return max(1, min(args.max_rows, int(args.cache_gib * 2**30 // per_row)))
+
+
+def bench_rollout(args, dtype, peak) -> dict:
+    from mstar.models.vjepa2 import rollout
+    from mstar.models.vjepa2.pose import new_pose
+
+    pred, enc, ac = ac_model(args, dtype)
+    P, E = enc.tokens_per_tubelet, enc.dim
+
+    def inputs(B, H):
+        g = torch.Generator(device="cpu").manual_seed(1)
+        ctx = rollout.normalize(torch.randn(B, 1, P, E, generator=g)).to(args.device, dtype)
+        acts = (torch.randn(B, H, 7, generator=g) * 0.05).to(args.device)
+        states = (torch.randn(B, 1, 7, generator=g) * 0.3).to(args.device)
+        return ctx, acts, states
+
+    def ours(ctx, acts, states):
+        rows = chunk_rows(args, pred, acts.shape[1])
+        return torch.cat([rollout.rollout(pred, c, a, s)[0][:, -1]
+                          for c, a, s in zip(ctx.split(rows), acts.split(rows), states.split(rows), strict=True)])
+
+    def recompute(ctx, acts, states):
+        out = []
+        for c, a, s in zip(ctx.split(args.recompute_rows), acts.split(args.recompute_rows),
+                           states.split(args.recompute_rows), strict=True):
+            frames, poses = c, s
+            for h in range(a.shape[1]):
+                nxt = pred(frames.flatten(1, 2), a[:, :h + 1], poses)[:, -P:]
+                frames = torch.cat([frames, rollout.normalize(nxt).unsqueeze(1)], 1)
+                poses = torch.cat([poses, new_pose(poses[:, -1], a[:, h]).unsqueeze(1)], 1)
+            out.append(frames[:, -1])
+        return torch.cat(out)
+
+    res = {"predictor": asdict(ac), "encoder_width": E, "tokens_per_frame": P + 2, "runs": []}
+    with torch.inference_mode():
+        for B in args.rollout_batches:
+            for H in args.horizons:
+                ctx, acts, states = inputs(B, H)
+                t_ours = timed(partial(ours, ctx, acts, states), args.device, args.iters)
+                n = min(B, args.recompute_sample) if args.recompute_sample else B
+                t_re = timed(partial(recompute, ctx[:n], acts[:n], states[:n]), args.device, 1, warmup=1 if H <= 8 else 0)
+                t_re_full = t_re * B / n  # rows are independent: time is linear in rows at these sizes
+                diff = (ours(ctx[:n], acts[:n], states[:n]).float() - recompute(ctx[:n], acts[:n], states[:n]).float()
+                        ).abs().max().item() if H <= 8 else None
+                flops_ours = B * sum(ac_step_flops(ac, enc, t) for t in range(H))
+                flops_re = B * sum(ac_recompute_flops(ac, enc, t + 1) for t in range(H))
+                row = {"batch": B, "steps": H, "ours_s": t_ours, "recompute_s": t_re_full,
+                       "recompute_measured_rows": n, "speedup": t_re_full / t_ours,
+                       "ours_frames_per_s": B * H / t_ours, "ours_tflops": flops_ours / t_ours / 1e12,
+                       "recompute_tflops": flops_re / t_re_full / 1e12, "flop_ratio": flops_re / flops_ours,
+                       "cache_rows_per_chunk": chunk_rows(args, pred, H), "max_abs_diff_final_frame": diff,
+                       "ours_over_floor": t_ours / (flops_ours / (peak * 1e12))}
+                res["runs"].append(row)
+                print(f"rollout B={B} H={H}: ours {t_ours:.3f} s, recompute {t_re_full:.3f} s (x{row['speedup']:.1f}, "
+                      f"FLOP ratio {row['flop_ratio']:.1f})", flush=True)
+    return res
+
+
+def bench_plan(args, dtype, peak) -> dict:
+    from mstar.models.vjepa2 import cem, rollout
+    from mstar.services.engines.loop_graph import LoopGraphs
+
+    pred, enc, ac = ac_model(args, dtype)
+    P, E = enc.tokens_per_tubelet, enc.dim
+    cfg = cem.CEMConfig(samples=16, topk=4, cem_steps=2) if args.tiny else cem.CEMConfig()
+    g = torch.Generator().manual_seed(2)
+    context = rollout.normalize(torch.randn(1, P, E, generator=g)).to(args.device, dtype)
+    goal = rollout.normalize(torch.randn(P, E, generator=g)).to(args.device, dtype)
+    state = (torch.randn(1, 7, generator=g) * 0.3).to(args.device)
+    rows = min(cfg.samples, chunk_rows(args, pred, cfg.rollout))
+    graphs = args.device.startswith("cuda") and not args.no_graphs
+    loops = LoopGraphs(rollout.RolloutBody(pred, cfg.rollout), cfg.rollout, ("frame", "pose"), args.device,
+                       buckets=(rows,) if graphs else (), name="plan")
+
+    def world_model(actions):
+        return torch.cat([loops.run({"frame": context.expand(len(a), -1, -1), "pose": state.expand(len(a), -1),
+                                     "actions": a})["frame"] for a in actions.split(rows)])
+
+    def plan():
+        return cem.plan(cfg, world_model, goal, generator=torch.Generator().manual_seed(3))
+
+    with torch.inference_mode():
+        t = timed(plan, args.device, iters=max(1, args.iters // 2), warmup=1)  # the warm-up captures the graphs
+    flops = cfg.cem_steps * cfg.samples * sum(ac_step_flops(ac, enc, i) for i in range(cfg.rollout))
+    floor = flops / (peak * 1e12)
+    print(f"plan at the defaults: {t:.3f} s, {flops / 1e12:.1f} TFLOP, floor {floor:.3f} s ({t / floor:.2f}x); "
+          f"graphs {loops.stats}", flush=True)
+    return {"cem": asdict(cfg), "seconds": t, "flops": flops, "floor_s": floor, "over_floor": t / floor,
+            "cuda_graphs": graphs, "rows_per_graph": rows, "graph_stats": asdict(loops.stats)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny configs and sizes (a CPU smoke run)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--parts", default="encoder,rollout,plan")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--frames", type=int, default=64)
+    p.add_argument("--crop", type=int, default=256)
+    p.add_argument("--encoder-batches", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--rollout-batches", type=int, nargs="+", default=[100, 400])
+    p.add_argument("--horizons", type=int, nargs="+", default=[2, 8, 24, 30])
+    p.add_argument("--cache-gib", type=float, default=24.0, help="K/V cache per rollout chunk")
+    p.add_argument("--max-rows", type=int, default=400)
+    p.add_argument("--recompute-rows", type=int, default=25, help="rows per chunk of the recompute loop")
+    p.add_argument("--recompute-sample", type=int, default=0,
+                   help="time the recompute loop on this many rows and scale to the batch (0: all rows)")
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--attention", nargs="+", default=["default", "cudnn,flash,efficient"],
+                   help="SDPA kernel orders to time our encoder with (the best is reported)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.frames, args.crop = min(args.frames, 4), min(args.crop, 32)
+        args.encoder_batches, args.rollout_batches = [1, 2], [4, 8]
+        args.horizons, args.iters, args.recompute_rows = [2, 4], min(args.iters, 2), 4
+        args.attention = ["default", "math"]
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    peak = peak_tflops(args.device, dtype)
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+              "dtype": str(dtype), "torch": torch.__version__, "measured_matmul_peak_tflops": peak, "tiny": args.tiny}
+    print(f"{result['device']}: measured {dtype} matmul peak {peak:.1f} TFLOP/s", flush=True)
+    parts = args.parts.split(",")
+    for name, fn in (("encoder", bench_encoder), ("rollout", bench_rollout), ("plan", bench_plan)):
+        if name in parts:
+            result[name] = fn(args, dtype, peak)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+                result[name]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                torch.cuda.reset_peak_memory_stats()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
