@@ -13,6 +13,7 @@ from mstar.models.base import Model
 _REGISTRY: dict[str, str] = {
     "toy": "mstar.models.toy.model:ToyModel",
     "orpheus": "mstar.models.orpheus.model:OrpheusModel",
+    "pi05": "mstar.models.pi05.model:Pi05Model",
 }
 
 _MODELS_DIR = Path(__file__).resolve().parent

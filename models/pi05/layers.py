@@ -171,6 +171,16 @@ class GemmaLayer(nn.Module):
         v = a.v_proj(h).view(b, t, -1, d).transpose(1, 2)
         return rope(q, cos, sin), rope(k, cos, sin), v
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                kv_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A plain (RMSNorm) layer: x [B, T, width] -> (x out, k, v); ``kv_only``: skip all but K / V
+        (x comes back unchanged)."""
+        q, k, v = self.qkv(self.input_layernorm(x), cos, sin)
+        if kv_only:
+            return x, k, v
+        x = x + self.self_attn.o_proj(attend(q, k, v, mask))
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention, one softmax over all keys: q [B, H, T, D], k / v [B, Hkv, S, D],

@@ -48,6 +48,17 @@ class VisionTower(nn.Module):
         return self.projector(self.vision(pixels))
 
 
+def encode_cameras(tower: VisionTower, pixels: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
+    """pixels [B, cameras, 3, S, S] in [-1, 1] -> [B, cameras * T, W]: one SigLIP batch over the
+    present cameras of every request; a masked camera is not encoded (its rows are zeros, and masked)."""
+    b, c = image_mask.shape
+    dtype = tower.projector.weight.dtype
+    out = torch.zeros(b, c, tower.cfg.vision.tokens, tower.cfg.prefix.width, dtype=dtype, device=pixels.device)
+    if image_mask.any():
+        out[image_mask] = tower(pixels[image_mask].to(dtype))
+    return out.flatten(1, 2)
+
+
 class PrefixLM(nn.Module):
     def __init__(self, cfg: Pi05Config):
         super().__init__()
@@ -70,12 +81,9 @@ class PrefixLM(nn.Module):
         mask = additive_mask(valid[:, None, None, :], x.dtype)
         kv = []
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(layer.input_layernorm(x), cos, sin)
+            # the last layer's output is never read: only its K / V are
+            x, k, v = layer(x, cos, sin, mask, kv_only=i == len(self.layers) - 1)
             kv.append(torch.stack([k, v], dim=1))
-            if i == len(self.layers) - 1:
-                break  # the last layer's output is never read: only its K / V are
-            x = x + layer.self_attn.o_proj(attend(q, k, v, mask))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
         return torch.stack(kv, dim=1), valid
 
 
@@ -143,14 +151,7 @@ class Pi05(nn.Module):
         self.vision, self.prefix, self.expert = VisionTower(cfg), PrefixLM(cfg), ActionExpert(cfg)
 
     def embed_images(self, pixels: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
-        """pixels [B, cameras, 3, S, S] in [-1, 1] -> [B, cameras * T, W]; masked cameras are not
-        encoded (their rows are zeros, and masked)."""
-        b, c = image_mask.shape
-        out = torch.zeros(b, c, self.cfg.vision.tokens, self.cfg.prefix.width, dtype=self.vision.projector.weight.dtype,
-                          device=pixels.device)
-        if image_mask.any():
-            out[image_mask] = self.vision(pixels[image_mask].to(out.dtype))
-        return out.flatten(1, 2)
+        return encode_cameras(self.vision, pixels, image_mask)
 
     @torch.no_grad()
     def sample_actions(self, pixels, image_mask, tokens, token_mask, noise) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 
 from mstar.models.pi05.config import Pi05Config
 from mstar.models.pi05.layers import rope_inv_freq
-from mstar.models.pi05.policy import ActionExpert, PrefixLM, VisionTower
+from mstar.models.pi05.policy import ActionExpert, Pi05, PrefixLM, VisionTower
 
 WEIGHTS_FILE = "model.safetensors"
 PG = "paligemma_with_expert.paligemma."
@@ -164,3 +164,17 @@ def write_checkpoint(directory: str | Path, cfg: Pi05Config, seed: int = 0, pref
     save_file({prefix + k: v for k, v in random_tensors(cfg, seed).items()}, str(directory / WEIGHTS_FILE))
     (directory / "config.json").write_text(json.dumps(cfg.to_json(), indent=1))
     return directory
+
+
+def load_policy(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Pi05:
+    """The whole policy from a checkpoint directory (tests, benchmarks; serving loads per node)."""
+    from mstar.models.pi05.config import config_from_json
+
+    directory = Path(directory)
+    cfg = config_from_json(json.loads((directory / "config.json").read_text()))
+    with torch.device("meta"):
+        policy = Pi05(cfg)
+    path = directory / WEIGHTS_FILE
+    policy.vision, policy.prefix, policy.expert = (load_module(c, cfg, path, device, dtype)
+                                                   for c in (VisionTower, PrefixLM, ActionExpert))
+    return policy
