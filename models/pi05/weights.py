@@ -109,10 +109,7 @@ def load_module(cls: type[nn.Module], cfg: Pi05Config, path: str | Path, device:
     CheckpointFile(path).load(module, device)
     if isinstance(module, ActionExpert):
         module.tabulate()
-        module.to(dtype)
-        for lin in (module.action_in_proj, module.action_out_proj):
-            lin.float()
-        module.modulation = module.modulation.float()
+        _expert_dtypes(module, dtype)
         return module.eval()
     return module.to(dtype).eval()
 
@@ -131,28 +128,56 @@ def layout(cfg: Pi05Config) -> dict[str, tuple[int, ...]]:
     return dict(sorted(shapes.items()))
 
 
+def _scaled(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Standard-normal ``x`` scaled for tensor ``name`` so activations stay O(1): fan-in scaling; norm
+    weights and the adaRMS modulation away from their init, so a loader that ignored them would not match."""
+    shape = x.shape
+    if name.endswith("layernorm.weight") and "vision" in name:
+        return 1.0 + 0.1 * x  # LayerNorm gains
+    if name.endswith(("layernorm.weight", "norm.weight")) or name.endswith(".bias"):
+        return 0.1 * x  # Gemma's (1 + w) gains, biases
+    if ".dense.weight" in name:
+        return x * 0.5 / shape[1] ** 0.5  # adaRMS: scale / shift / gate of order 0.5
+    if name.endswith("position_embedding.weight"):
+        return 0.5 * x
+    if len(shape) == 4:
+        return x / (shape[1] * shape[2] * shape[3]) ** 0.5
+    if len(shape) == 2:
+        return x / shape[1] ** 0.5
+    return x
+
+
 def random_tensors(cfg: Pi05Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights for every tensor of ``layout(cfg)``, scaled so activations stay O(1)
-    (fan-in scaling; norm weights and adaRMS modulation away from their init, so a loader that
-    ignored them would not match). Deterministic for a seed on a CPU."""
+    """Random weights for every tensor of ``layout(cfg)``; deterministic for a seed on a CPU."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in layout(cfg).items():
-        x = torch.randn(shape, generator=g)
-        if name.endswith("layernorm.weight") and "vision" in name:
-            x = 1.0 + 0.1 * x  # LayerNorm gains
-        elif name.endswith(("layernorm.weight", "norm.weight")) or name.endswith(".bias"):
-            x = 0.1 * x  # Gemma's (1 + w) gains, biases
-        elif ".dense.weight" in name:
-            x = x * 0.5 / shape[1] ** 0.5  # adaRMS: scale / shift / gate of order 0.5
-        elif name.endswith("position_embedding.weight"):
-            x = 0.5 * x
-        elif len(shape) == 4:
-            x = x / (shape[1] * shape[2] * shape[3]) ** 0.5
-        elif len(shape) == 2:
-            x = x / shape[1] ** 0.5
-        out[name] = x.contiguous()
-    return out
+    return {name: _scaled(name, torch.randn(shape, generator=g)).contiguous() for name, shape in layout(cfg).items()}
+
+
+def random_policy(cfg: Pi05Config, device: str, dtype: torch.dtype, seed: int = 0) -> Pi05:
+    """A whole policy with random weights made on ``device`` (the full-size benchmark: no file)."""
+    with torch.device("meta"):
+        policy = Pi05(cfg)
+    policy = policy.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for module in (policy.vision, policy.prefix, policy.expert):
+            for p, t in module.named_parameters():
+                t.copy_(_scaled(checkpoint_name(module, p), torch.randn(t.shape, generator=g, device=device)))
+    policy.prefix.inv_freq = rope_inv_freq(cfg.prefix, device)
+    policy.expert.inv_freq = rope_inv_freq(cfg.expert, device)
+    policy.expert.tabulate()
+    policy.vision.to(dtype), policy.prefix.to(dtype)
+    _expert_dtypes(policy.expert, dtype)
+    return policy.eval()
+
+
+def _expert_dtypes(expert: ActionExpert, dtype: torch.dtype) -> None:
+    """The expert in ``dtype``, its action projections and adaRMS table in fp32 (as the reference)."""
+    modulation = expert.modulation.float()
+    expert.to(dtype)
+    for lin in (expert.action_in_proj, expert.action_out_proj):
+        lin.float()
+    expert.modulation = modulation
 
 
 def write_checkpoint(directory: str | Path, cfg: Pi05Config, seed: int = 0, prefix: str = "") -> Path:
