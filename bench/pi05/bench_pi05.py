@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from mstar.models.pi05.config import Pi05Config, tiny_config
 from mstar.models.pi05.layers import time_embedding
-from mstar.models.pi05.policy import Pi05, encode_cameras, pixels_from_uint8
+from mstar.models.pi05.nodes import IMAGE_BUCKETS, encode_present, prefix_graphs, vision_graphs
+from mstar.models.pi05.policy import Pi05, pixels_from_uint8
 from mstar.models.pi05.weights import random_policy
 from mstar.services.engines.loop_graph import LoopGraphs
 
@@ -70,8 +71,10 @@ def make_inputs(cfg: Pi05Config, b: int, device: str, seed: int = 0):
 class Engine:
     """The model as the node groups run it: vision, prefix, then the loop through ``LoopGraphs``."""
 
-    def __init__(self, policy: Pi05, device: str, dtype: torch.dtype, buckets: tuple[int, ...]):
+    def __init__(self, policy: Pi05, device: str, dtype: torch.dtype, buckets: tuple[int, ...], graphs: bool):
         self.policy, self.dtype = policy, dtype
+        self.vision_graphs = vision_graphs(policy.vision, device, buckets=IMAGE_BUCKETS if graphs else ())
+        self.prefix_graphs = prefix_graphs(policy.prefix, device, buckets=buckets if graphs else ())
         body = lambda inputs, i: {"x": policy.expert.step(inputs["x"], inputs["prefix_kv"], inputs["prefix_valid"], i)}  # noqa: E731
         steps = policy.cfg.num_steps
         self.eager = LoopGraphs(body, steps, ("x",), device, buckets=(), name="eager")
@@ -79,11 +82,13 @@ class Engine:
 
     @torch.inference_mode()
     def vision(self, images, image_mask):
-        return encode_cameras(self.policy.vision, pixels_from_uint8(images, self.dtype), image_mask)
+        cfg = self.policy.cfg
+        return encode_present(self.vision_graphs, images, image_mask, cfg.vision.tokens, cfg.prefix.width, self.dtype)
 
-    @torch.inference_mode()
     def prefix(self, image_tokens, image_mask, tokens, token_mask):
-        return self.policy.prefix(image_tokens, image_mask, tokens, token_mask)
+        out = self.prefix_graphs.run({"image_tokens": image_tokens, "image_mask": image_mask, "tokens": tokens,
+                                      "token_mask": token_mask})
+        return out["prefix_kv"], out["prefix_valid"]
 
     def loop(self, loops: LoopGraphs, noise, kv, valid):
         return loops.run({"x": noise, "prefix_kv": kv, "prefix_valid": valid})["x"]
@@ -221,6 +226,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="the baseline under torch.compile (auto: on CUDA)")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--engine-graphs", choices=("on", "off"), default="on", help="vision and prefix as CUDA graphs")
+    ap.add_argument("--engine-compile", choices=("on", "off"), default="on", help="the expert step under torch.compile")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -231,13 +238,16 @@ def main() -> None:
     reps, warmup = (3, 1) if args.tiny else (args.reps, args.warmup)
     torch.manual_seed(0)
     policy = random_policy(cfg, device, dtype, seed=0)
-    engine = Engine(policy, device, dtype, buckets=tuple(batches))
+    if args.engine_compile == "on" and device.startswith("cuda"):
+        policy.expert.compile()
+    engine = Engine(policy, device, dtype, buckets=tuple(batches), graphs=args.engine_graphs == "on")
     compile_parts = args.compile == "on" or (args.compile == "auto" and device.startswith("cuda"))
     baseline = None if args.no_baseline else Baseline(policy, device, dtype, compile_parts)
     result = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu",
               "torch": torch.__version__, "dtype": str(dtype), "tiny": args.tiny, "reps": reps, "warmup": warmup,
               "cameras": len(cfg.cameras), "prompt_tokens": cfg.max_token_len, "steps": cfg.num_steps,
-              "action_horizon": cfg.action_horizon, "baseline_compiled": baseline.compiled if baseline else None,
+              "action_horizon": cfg.action_horizon, "engine_graphs": args.engine_graphs,
+              "engine_compile": args.engine_compile if device.startswith("cuda") else "off", "baseline_compiled": baseline.compiled if baseline else None,
               "rows": []}
     for b in batches:
         images, image_mask, tokens, token_mask, noise = make_inputs(cfg, b, device)

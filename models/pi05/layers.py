@@ -189,7 +189,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     b, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(b, hkv, (h // hkv) * t, d)
-    m = mask.expand(b, 1, t, mask.shape[-1]).repeat(1, 1, h // hkv, 1) if h > hkv else mask
+    m = mask if mask.shape[-2] == 1 else mask.repeat(1, 1, h // hkv, 1)  # a key-only mask broadcasts
     o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=d**-0.5)
     return o.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 

@@ -16,8 +16,12 @@ import torch
 
 from mstar.models.base import LoopBodyNode, NodeCall, NodeContext, NodeSubmodule
 from mstar.models.pi05.config import Pi05Config
-from mstar.models.pi05.policy import ActionExpert, PrefixLM, VisionTower, encode_cameras, pixels_from_uint8
+from mstar.models.pi05.policy import ActionExpert, PrefixLM, VisionTower, pixels_from_uint8
 from mstar.models.pi05.weights import load_module
+from mstar.services.engines.loop_graph import LoopGraphs
+
+IMAGE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # present cameras in a batch
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +34,35 @@ def node_dtype(ctx: NodeContext) -> torch.dtype:
     return DTYPES[name]
 
 
+def vision_graphs(tower: VisionTower, device: str, buckets=IMAGE_BUCKETS) -> LoopGraphs:
+    """uint8 images [N, 3, S, S] -> image tokens [N, T, W]; one CUDA graph per bucket of N on a GPU
+    (eager on a CPU): the tower is ~400 kernels, launch-bound when eager at N = 3."""
+    dtype = tower.projector.weight.dtype
+    return LoopGraphs(lambda i, _: {"tokens": tower(pixels_from_uint8(i["images"], dtype))}, 1, (), device, buckets,
+                      name="vit_encoder")
+
+
+def prefix_graphs(lm: PrefixLM, device: str, buckets=BATCH_BUCKETS) -> LoopGraphs:
+    """The prefix of a batch (fixed length: every camera slot and the padded prompt) -> K / V and the
+    valid mask; one CUDA graph per batch bucket on a GPU."""
+    def body(i, _):
+        kv, valid = lm(i["image_tokens"], i["image_mask"], i["tokens"], i["token_mask"])
+        return {"prefix_kv": kv, "prefix_valid": valid}
+    return LoopGraphs(body, 1, (), device, buckets, name="llm_prefix")
+
+
+def encode_present(graphs: LoopGraphs, images: torch.Tensor, image_mask: torch.Tensor, tokens: int,
+                   width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, cameras, 3, S, S] uint8 and the mask -> [B, cameras * T, W]: the present cameras of every
+    request in one batch (``graphs``), zeros where a camera is missing."""
+    b, c = image_mask.shape
+    out = torch.zeros(b, c, tokens, width, dtype=dtype, device=images.device)
+    present = image_mask.cpu()
+    if present.any():
+        out[image_mask] = graphs.run({"images": images[image_mask]})["tokens"]
+    return out.flatten(1, 2)
+
+
 def stack(calls: list[NodeCall], name: str, device: str) -> torch.Tensor:
     return torch.stack([c.inputs[name] for c in calls]).to(device)
 
@@ -39,13 +72,14 @@ class VisionNode(NodeSubmodule):
     max_batch = 16
 
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
-        self.device, self.dtype = ctx.device, node_dtype(ctx)
+        self.device, self.dtype, self.cfg = ctx.device, node_dtype(ctx), cfg
         self.tower = load_module(VisionTower, cfg, weights, ctx.device, self.dtype)
+        self.graphs = vision_graphs(self.tower, ctx.device)
 
     @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
-        pixels = pixels_from_uint8(stack(calls, "images", self.device), self.dtype)
-        tokens = encode_cameras(self.tower, pixels, stack(calls, "image_mask", self.device))
+        tokens = encode_present(self.graphs, stack(calls, "images", self.device), stack(calls, "image_mask", self.device),
+                                self.cfg.vision.tokens, self.cfg.prefix.width, self.dtype)
         return [{"image_tokens": t} for t in tokens]
 
 
@@ -56,11 +90,11 @@ class PrefixNode(NodeSubmodule):
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
         self.device = ctx.device
         self.lm = load_module(PrefixLM, cfg, weights, ctx.device, node_dtype(ctx))
+        self.graphs = prefix_graphs(self.lm, ctx.device)
 
-    @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
-        kv, valid = self.lm(*(stack(calls, n, self.device) for n in ("image_tokens", "image_mask", "tokens", "token_mask")))
-        return [{"prefix_kv": kv[i], "prefix_valid": valid[i]} for i in range(len(calls))]
+        out = self.graphs.run({n: stack(calls, n, self.device) for n in ("image_tokens", "image_mask", "tokens", "token_mask")})
+        return [{k: v[i] for k, v in out.items()} for i in range(len(calls))]
 
 
 class ActionNode(LoopBodyNode):
@@ -69,6 +103,10 @@ class ActionNode(LoopBodyNode):
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
         self.device = ctx.device
         self.expert = load_module(ActionExpert, cfg, weights, ctx.device, node_dtype(ctx))
+        # model_kwargs.compile: the step under torch.compile before its loop is captured (opt-in: not yet
+        # run on a GPU inside LoopGraphs' capture; bench/pi05 measures it)
+        if ctx.model_kwargs.get("compile", False):
+            self.expert.compile()
 
     def step(self, inputs: dict[str, torch.Tensor], iteration: int) -> dict[str, torch.Tensor]:
         x = self.expert.step(inputs["x"], inputs["prefix_kv"], inputs["prefix_valid"], iteration)
