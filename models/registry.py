@@ -14,6 +14,7 @@ _REGISTRY: dict[str, str] = {
     "toy": "mstar.models.toy.model:ToyModel",
     "orpheus": "mstar.models.orpheus.model:OrpheusModel",
     "vjepa2": "mstar.models.vjepa2.model:VJepa2Model",
+    "pi05": "mstar.models.pi05.model:Pi05Model",
 }
 
 _MODELS_DIR = Path(__file__).resolve().parent

@@ -1,0 +1,113 @@
+"""π0.5's graph nodes: each loads its part of the checkpoint and runs a batch of requests at a time.
+
+- ``VisionNode`` (``vit_encoder``): the present cameras of every request in one SigLIP batch;
+- ``PrefixNode`` (``llm_prefix``): the Gemma-2B prefix of a batch -> each request's K / V (a tensor
+  value, persisted for the ``action_gen`` walk; never appended to);
+- ``ActionNode`` (``action_expert``): a ``LoopBodyNode``, one Euler step per ``step``; the runtime runs
+  all steps of a batch in one call (one CUDA graph replay per batch bucket on a GPU). The prefix K / V
+  and mask are the loop's constants, ``x`` its carried value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mstar.models.base import LoopBodyNode, NodeCall, NodeContext, NodeSubmodule
+from mstar.models.pi05.config import Pi05Config
+from mstar.models.pi05.policy import ActionExpert, PrefixLM, VisionTower, pixels_from_uint8
+from mstar.models.pi05.weights import load_module
+from mstar.services.engines.loop_graph import LoopGraphs
+
+IMAGE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # present cameras in a batch
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def node_dtype(ctx: NodeContext) -> torch.dtype:
+    """``model_kwargs.dtype``: bfloat16 on a GPU, float32 on a CPU by default."""
+    name = ctx.model_kwargs.get("dtype") or ("bfloat16" if ctx.device.startswith("cuda") else "float32")
+    if name not in DTYPES:
+        raise ValueError(f"model_kwargs.dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def vision_graphs(tower: VisionTower, device: str, buckets=IMAGE_BUCKETS) -> LoopGraphs:
+    """uint8 images [N, 3, S, S] -> image tokens [N, T, W]; one CUDA graph per bucket of N on a GPU
+    (eager on a CPU): the tower is ~400 kernels, launch-bound when eager at N = 3."""
+    dtype = tower.projector.weight.dtype
+    return LoopGraphs(lambda i, _: {"tokens": tower(pixels_from_uint8(i["images"], dtype))}, 1, (), device, buckets,
+                      name="vit_encoder")
+
+
+def prefix_graphs(lm: PrefixLM, device: str, buckets=BATCH_BUCKETS) -> LoopGraphs:
+    """The prefix of a batch (fixed length: every camera slot and the padded prompt) -> K / V and the
+    valid mask; one CUDA graph per batch bucket on a GPU."""
+    def body(i, _):
+        kv, valid = lm(i["image_tokens"], i["image_mask"], i["tokens"], i["token_mask"])
+        return {"prefix_kv": kv, "prefix_valid": valid}
+    return LoopGraphs(body, 1, (), device, buckets, name="llm_prefix")
+
+
+def encode_present(graphs: LoopGraphs, images: torch.Tensor, image_mask: torch.Tensor, tokens: int,
+                   width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, cameras, 3, S, S] uint8 and the mask -> [B, cameras * T, W]: the present cameras of every
+    request in one batch (``graphs``), zeros where a camera is missing."""
+    b, c = image_mask.shape
+    out = torch.zeros(b, c, tokens, width, dtype=dtype, device=images.device)
+    present = image_mask.cpu()
+    if present.any():
+        out[image_mask] = graphs.run({"images": images[image_mask]})["tokens"]
+    return out.flatten(1, 2)
+
+
+def stack(calls: list[NodeCall], name: str, device: str) -> torch.Tensor:
+    return torch.stack([c.inputs[name] for c in calls]).to(device)
+
+
+class VisionNode(NodeSubmodule):
+    blocking = True
+    max_batch = 16
+
+    def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
+        self.device, self.dtype, self.cfg = ctx.device, node_dtype(ctx), cfg
+        self.tower = load_module(VisionTower, cfg, weights, ctx.device, self.dtype)
+        self.graphs = vision_graphs(self.tower, ctx.device)
+
+    @torch.inference_mode()
+    def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
+        tokens = encode_present(self.graphs, stack(calls, "images", self.device), stack(calls, "image_mask", self.device),
+                                self.cfg.vision.tokens, self.cfg.prefix.width, self.dtype)
+        return [{"image_tokens": t} for t in tokens]
+
+
+class PrefixNode(NodeSubmodule):
+    blocking = True
+    max_batch = 16
+
+    def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
+        self.device = ctx.device
+        self.lm = load_module(PrefixLM, cfg, weights, ctx.device, node_dtype(ctx))
+        self.graphs = prefix_graphs(self.lm, ctx.device)
+
+    def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
+        out = self.graphs.run({n: stack(calls, n, self.device) for n in ("image_tokens", "image_mask", "tokens", "token_mask")})
+        return [{k: v[i] for k, v in out.items()} for i in range(len(calls))]
+
+
+class ActionNode(LoopBodyNode):
+    graph_buckets = (1, 2, 4, 8, 16)
+
+    def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
+        self.device = ctx.device
+        self.expert = load_module(ActionExpert, cfg, weights, ctx.device, node_dtype(ctx))
+        # model_kwargs.compile: the step under torch.compile before its loop is captured (opt-in: not yet
+        # run on a GPU inside LoopGraphs' capture; bench/pi05 measures it)
+        if ctx.model_kwargs.get("compile", False):
+            self.expert.compile()
+
+    def step(self, inputs: dict[str, torch.Tensor], iteration: int) -> dict[str, torch.Tensor]:
+        x = self.expert.step(inputs["x"], inputs["prefix_kv"], inputs["prefix_valid"], iteration)
+        return {"x": x, "actions": x}
