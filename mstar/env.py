@@ -18,6 +18,8 @@ class Settings:
     #: node groups without engines: the longest back-to-back rounds run before yielding to the
     #: event loop (NodeGroupRuntime.round_budget_s); 0 yields after every round
     round_budget_s: float
+    #: NVTX ranges around node forwards, engine steps and tensor transfers (mstar serve --enable-nvtx)
+    nvtx: bool
 
 
 @lru_cache(maxsize=1)
@@ -27,7 +29,15 @@ def settings() -> Settings:
         connect_timeout_s=float(os.environ.get("MSTAR_CONNECT_TIMEOUT_S", "5")),
         gil_switch_interval_s=_positive("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0005"),
         round_budget_s=_seconds("MSTAR_ROUND_BUDGET_S", "0", allow_zero=True),
+        nvtx=_flag("MSTAR_NVTX"),
     )
+
+
+def _flag(name: str) -> bool:
+    raw = os.environ.get(name, "0").strip().lower()
+    if raw not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"environment variable {name} must be 1 or 0, got {raw!r}")
+    return raw in ("1", "true")
 
 
 def _positive(name: str, default: str) -> float:

@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from mstar import nvtx
 from mstar.metrics import KvStats
 from mstar.services.engines.kv_engine import KVCacheEngine, StepFailed
 from mstar.services.engines.seq_engine import ImportSeq, LocalSeqEngine, SeqOutput, SeqWork
@@ -237,6 +238,7 @@ def _child(name: str, factory: Callable[..., KVCacheEngine], args: tuple, cmds, 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    nvtx.from_settings()
     try:
         engine = LocalSeqEngine(factory(*args))
     except BaseException:
@@ -275,7 +277,8 @@ def _serve(engine: LocalSeqEngine, cmds, events, count: Callable[[], None]) -> N
                 raise AssertionError(f"unknown engine command {msg!r}")
             count()
         try:
-            outs = engine.step()
+            with nvtx.span("engine step") if nvtx.ACTIVE else nvtx.NULL:
+                outs = engine.step()
         except StepFailed as e:
             events.send(Failed(e.request_ids, f"{type(e.__cause__).__name__}: {e.__cause__}"))
             continue

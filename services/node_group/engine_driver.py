@@ -28,6 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from mstar import nvtx
 from mstar.models.base import EngineNode, NodeCall
 from mstar.services.engines.kv_engine import StepFailed
 from mstar.services.engines.seq_engine import SeqOutput, SeqWork
@@ -141,7 +142,7 @@ class EngineDriver:
         if not (self._work or self._releases or self.engine.has_work):
             return
         waiting = {rid: call for rid, (call, _) in self._waiting.items() if rid not in answered}
-        args = (self.engine, self._work, self._releases, time.perf_counter(), self.sub.outputs, waiting)
+        args = (self.engine, self._work, self._releases, time.perf_counter(), self.sub.outputs, waiting, self.node)
         self._work, self._releases = [], []
         if self.sub.blocking:
             fut = loop.run_in_executor(self._executor, _engine_step, *args)
@@ -199,14 +200,15 @@ class EngineDriver:
 
 
 def _engine_step(engine, work: list[tuple[str, SeqWork]], releases: list[str], t0: float, outputs,
-                 waiting: dict[str, NodeCall]):
+                 waiting: dict[str, NodeCall], node: str):
     """One engine step on the engine's thread: releases, then new work, then the step; then the
     outputs of the calls that were waiting for it (each request's first output of the step)."""
     for rid in releases:
         engine.release(rid)
     for rid, w in work:
         engine.submit(rid, w)
-    outs = engine.step() if engine.has_work else []
+    with nvtx.span(f"{node} engine step") if nvtx.ACTIVE else nvtx.NULL:
+        outs = engine.step() if engine.has_work else []
     made: dict[str, tuple[NodeCall, dict | Exception]] = {}
     for out in outs:
         call = waiting.pop(out.request_id, None)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from mstar import nvtx
 from mstar.config import Placement
 from mstar.models.base import EngineNode, Model, NodeCall, NodeContext, NodeSubmodule
 from mstar.services.engines.tensor_parallel import TPSpec
@@ -53,9 +54,10 @@ class Nodes:
         whole = (walk, node) in self.whole_loops
 
         def forward(batch_calls):
-            if whole:
-                return self.whole_loops.run(walk, node, batch_calls)
-            return sub.forward(sub.prepare_inputs(batch_calls))
+            with nvtx.span(f"{walk}/{node} x{len(batch_calls)}") if nvtx.ACTIVE else nvtx.NULL:
+                if whole:
+                    return self.whole_loops.run(walk, node, batch_calls)
+                return sub.forward(sub.prepare_inputs(batch_calls))
 
         async def run(batch_calls):
             if sub.is_blocking(batch_calls):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import grpc
 import torch
 
-from mstar import metrics
+from mstar import metrics, nvtx
 from mstar.config import Placement
 from mstar.env import settings
 from mstar.models.base import Model
@@ -117,7 +117,11 @@ class NodeGroupRuntime:
         """Carry out the router's effects in order (advancing may add more: they run too)."""
         for effect in out:
             if type(effect) is Send:
-                self._link(req, effect.target).send(effect.frame, effect.tensors)
+                if nvtx.ACTIVE and effect.tensors:
+                    with nvtx.span(f"send {effect.frame.edge} -> {effect.target}"):
+                        self._link(req, effect.target).send(effect.frame, effect.tensors)
+                else:
+                    self._link(req, effect.target).send(effect.frame, effect.tensors)
             elif self.schedule.advance(req, effect.inst, out):
                 self._wake.set()
 

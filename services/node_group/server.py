@@ -14,7 +14,7 @@ import sys
 
 import grpc
 
-from mstar import env, metrics
+from mstar import env, metrics, nvtx
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
 from mstar.ports import free_port
@@ -38,7 +38,12 @@ class NodeGroupServicer(node_group_pb2_grpc.NodeGroupServicer):
         try:
             async for batch in request_iterator:
                 acks: list[int] = []
-                self.runtime.on_batch(batch, await receiver.decode_batch_async(batch, acks))
+                if nvtx.ACTIVE:
+                    with nvtx.span(f"receive {len(batch.frames)} frames from {batch.sender}"):
+                        decoded = await receiver.decode_batch_async(batch, acks)
+                else:
+                    decoded = await receiver.decode_batch_async(batch, acks)
+                self.runtime.on_batch(batch, decoded)
                 if acks:
                     yield node_group_pb2.Ack(released_buffer_ids=acks)
         finally:
@@ -278,6 +283,7 @@ def main(argv=None) -> None:
     # behind the other one's routing; 0.5 ms (MSTAR_GIL_SWITCH_INTERVAL_S) keeps the hand-off
     # well under a decode step.
     sys.setswitchinterval(env.settings().gil_switch_interval_s)
+    nvtx.from_settings()
     run_service(serve(args))
 
 

@@ -1,0 +1,63 @@
+"""NVTX ranges, so a GPU profile (Nsight Systems) shows the graph: each node's forward (or whole
+loop), each engine step, each frame batch a node group sends or receives with tensors.
+
+Off by default. ``mstar serve --enable-nvtx`` sets MSTAR_NVTX=1 for every service; then ``span``
+pushes a named range on entry and pops it on exit, also when the body raises, so ranges stay
+balanced on every path. Off, ``span`` returns one shared no-op context manager: a call and a
+``with`` on it, nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from mstar.env import settings
+
+NULL = contextlib.nullcontext()  # what span() gives while ranges are off
+_push: Callable[[str], object] | None = None
+_pop: Callable[[], object] | None = None
+#: whether ranges are on (hot paths test it before they build a range's name)
+ACTIVE = False
+
+
+class _Span:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self) -> None:
+        _push(self.name)  # type: ignore[misc]
+
+    def __exit__(self, *exc) -> None:
+        _pop()  # type: ignore[misc]
+
+
+def configure(enabled: bool, push: Callable[[str], object] | None = None, pop: Callable[[], object] | None = None) -> None:
+    """Turn ranges on (torch.cuda.nvtx by default; tests pass recorders) or off."""
+    global _push, _pop, ACTIVE
+    if not enabled:
+        _push = _pop = None
+        ACTIVE = False
+        return
+    if push is None or pop is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("--enable-nvtx needs a CUDA build of torch and a GPU (NVTX ranges go to a GPU "
+                               f"profiler); this torch is {torch.__version__}")
+        push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    _push, _pop = push, pop
+    ACTIVE = True
+
+
+def span(name: str):
+    """``with span("decode/llm forward"):`` a range while enabled, nothing otherwise. On a hot
+    path, ``span(f"...") if nvtx.ACTIVE else nvtx.NULL`` builds no name while off."""
+    return _Span(name) if _push is not None else NULL
+
+
+def from_settings() -> None:
+    """Each service calls this once at start (MSTAR_NVTX)."""
+    configure(settings().nvtx)
