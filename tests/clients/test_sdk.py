@@ -191,6 +191,7 @@ def test_async_client_one_line_calls(mesh, transport, tmp_path):
         assert w.getnframes() == 3 * TONE_SAMPLES
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_async_client(mesh, transport, tmp_path):
     async def go():
         async with AsyncMStarClient(_address(mesh, transport), timeout=WAIT_S) as c:
