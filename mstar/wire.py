@@ -54,8 +54,12 @@ def fill_proto(msg: pb.Tensor, name: str, t: torch.Tensor) -> None:
     dtype = t.dtype
     msg.name = name
     msg.datatype = _TO_WIRE.get(dtype) or wire_dtype(dtype)
-    msg.shape.extend(t.shape)
-    if t.is_cpu and t.is_contiguous() and dtype is not torch.bfloat16 and not t.requires_grad:
+    shape = t.shape
+    if len(shape) == 1:
+        msg.shape.append(shape[0])
+    else:
+        msg.shape.extend(shape)
+    if t.is_cpu and dtype is not torch.bfloat16 and not t.requires_grad and t.is_contiguous():
         msg.raw = t.numpy().tobytes()  # the common case, one copy
     else:
         msg.raw = bytes(tensor_bytes(t))

@@ -126,10 +126,12 @@ class LinkSender:
         self._where: str | None = None  # "process" | "host" | "other", once the peer said where it runs
         self._inline = TensorSender()
         self._subs: dict[str, TensorSender] = {}
+        self._inline_below = self._inline_limit()
 
     def set_peer(self, peer: node_group_pb2.Location) -> None:
         self.peer = peer
         self._where = "process" if peer.process == PROCESS_TOKEN else "host" if peer.host_id == host_id() else "other"
+        self._inline_below = self._inline_limit()
         log.info("link %s -> %s: %s", self.owner, peer.service or "?", self.describe())
 
     def describe(self) -> str:
@@ -189,8 +191,20 @@ class LinkSender:
             sub = self._subs[kind] = _transport_class(kind, 0)(self.owner)
         return sub
 
+    def _inline_limit(self) -> float:
+        """Tensors of fewer bytes go inline whatever else ``pick`` weighs (most tensors: tokens,
+        small chunks), so ``encode_into`` skips the choice for them."""
+        if self.protocol is Protocol.TCP:
+            return float("inf")
+        if self.protocol is Protocol.AUTO and self._where == "process":
+            return 0  # local hand-over at any size
+        return MIN_REF_BYTES
+
     def encode_into(self, msg: pb.Tensor, name: str, t: torch.Tensor) -> str:
         """Encode ``t`` into ``msg``; returns the transport used."""
+        if t.nbytes < self._inline_below:
+            wire.fill_proto(msg, name, t)
+            return "inline"
         kind = self.pick(t)
         if kind == "inline":
             self._inline.encode_into(msg, name, t)
