@@ -3,9 +3,11 @@
 Reads utime+stime of every service process (and of this client process) from /proc
 around two workloads of bench/mesh.py on the toy model (SHM transport):
 - ``latency``: round trips (prompt 'hi', max_tokens=2) at N concurrent gRPC clients;
-- ``events``: one stream of a 4096-byte prompt through the conductor's gRPC API.
+- ``events``: streams of a 4096-byte prompt (``--streams``, default 1) through the conductor's gRPC
+  API, or through the gateway's NDJSON ``/generate`` (``--gateway``), as bench/mesh.py's events rows.
 
     python bench/mesh_cpu.py [--clients 64] [--requests 2000] [--repeats 1] [--py-spy SERVICE,...]
+    python bench/mesh_cpu.py --skip-latency --gateway --streams 8 --repeats 3   # 8 streams via the gateway
 
 ``--py-spy A,B`` samples those services (py-spy raw output in /tmp/mesh_cpu-A.txt ...)
 during the workload named by ``--spy-workload``.
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mesh import cpu_s, events_grpc, latency, launch  # noqa: E402
+from mesh import cpu_s, events_gateway, events_grpc, latency, launch  # noqa: E402
 
 
 def snapshot(mesh) -> dict[str, float]:
@@ -65,6 +67,9 @@ def main() -> None:
     ap.add_argument("--spy-workload", choices=["latency", "events"], default="latency")
     ap.add_argument("--native", action="store_true", help="py-spy --native (C frames too; pauses the process)")
     ap.add_argument("--skip-events", action="store_true")
+    ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--streams", type=int, default=1, help="concurrent streams of the events workload")
+    ap.add_argument("--gateway", action="store_true", help="events through the gateway (NDJSON) instead of gRPC")
     args = ap.parse_args()
     mesh = launch("SHM")
     try:
@@ -72,24 +77,29 @@ def main() -> None:
         prompt = ("The quick brown fox jumps over the lazy dog. " * 100)[:4096]
         asyncio.run(latency(addr, args.clients, 200))  # warm-up
         for _ in range(args.repeats):
-            spies = spy(mesh, args) if args.spy_workload == "latency" else []
-            b = snapshot(mesh)
-            r = asyncio.run(latency(addr, args.clients, args.requests))
-            a = snapshot(mesh)
-            unspy(spies)
-            n = r["requests"] + 50  # latency() warms up with 50 requests on its own channel
-            print(json.dumps({"workload": f"latency x{args.clients}", "p50_ms": round(r["p50_ms"], 2),
-                              "req_per_s": round(r["requests_per_s"], 1), "cpu_us_per_request": per_unit(b, a, n)}))
+            if not args.skip_latency:
+                spies = spy(mesh, args) if args.spy_workload == "latency" else []
+                b = snapshot(mesh)
+                r = asyncio.run(latency(addr, args.clients, args.requests))
+                a = snapshot(mesh)
+                unspy(spies)
+                n = r["requests"] + 50  # latency() warms up with 50 requests on its own channel
+                print(json.dumps({"workload": f"latency x{args.clients}", "p50_ms": round(r["p50_ms"], 2),
+                                  "req_per_s": round(r["requests_per_s"], 1), "cpu_us_per_request": per_unit(b, a, n)}))
             if args.skip_events:
                 continue
             spies = spy(mesh, args) if args.spy_workload == "events" else []
             b = snapshot(mesh)
-            r = asyncio.run(events_grpc(addr, 1, prompt))
+            if args.gateway:
+                r = asyncio.run(events_gateway(mesh.url, args.streams, prompt))
+            else:
+                r = asyncio.run(events_grpc(addr, args.streams, prompt))
             a = snapshot(mesh)
             unspy(spies)
             n = r["events"] + 64  # the warm-up request: max_tokens=64 on a 64-byte prompt, about as many events
-            print(json.dumps({"workload": "events x1", "events_per_s": round(r["events_per_s"], 1),
-                              "cpu_us_per_event": per_unit(b, a, n)}))
+            cpu = per_unit(b, a, n)
+            print(json.dumps({"workload": f"events x{args.streams} {r['path']}", "events_per_s": round(r["events_per_s"], 1),
+                              "cpu_us_per_event": {**cpu, "total": round(sum(cpu.values()), 1)}}))
     finally:
         mesh.stop()
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import json
+from json.encoder import encode_basestring_ascii
 
 from mstar.gateway.body import GenerateBody
 from mstar.v1 import conductor_pb2 as cpb
@@ -54,6 +56,55 @@ def chunk_json(c: cpb.OutputChunk) -> dict:
     return out
 
 
+# -- NDJSON lines of /generate, built as text: the per-chunk path -------------------------------
+# The same bytes as json.dumps(chunk_json(c), separators=(",", ":")) (tests/gateway/test_ndjson_lines.py
+# checks it), at a fraction of the cost: no dict per chunk, and the base64 payloads, which need no
+# escaping, are not scanned for characters to escape.
+def _float(x: float) -> str:
+    r = float.__repr__(x)
+    return r if r[-1].isdigit() else json.dumps(x)  # NaN / Infinity, as json writes them
+
+
+def _ints(xs) -> str:
+    n = len(xs)
+    return f"[{xs[0]}]" if n == 1 else f"[{','.join(map(str, xs))}]" if n else "[]"
+
+
+def _b64(data: bytes) -> str:
+    return binascii.b2a_base64(data, newline=False).decode("ascii")
+
+
+def chunk_line(c: cpb.OutputChunk) -> str:
+    """``chunk_json(c)`` as compact JSON text (no newline)."""
+    modality = MODALITY.get(c.modality, "unspecified")
+    s = f'{{"type":"chunk","name":{encode_basestring_ascii(c.name)},"modality":"{modality}","index":{c.index}'
+    text = c.text
+    if modality == "text" or text:
+        s += f',"text":{encode_basestring_ascii(text)}'
+    data = c.data
+    if modality in _BYTES or data:
+        s += f',"data_b64":"{_b64(data)}","mime_type":{encode_basestring_ascii(c.mime_type)}'
+    rate = c.sample_rate_hz
+    if modality == "audio" or rate:
+        s += f',"sample_rate_hz":{rate}'
+    if modality in _TENSORS or c.HasField("tensor"):
+        t = c.tensor
+        if t.WhichOneof("payload") == "shm":
+            tensor_json(t)  # raises ProtocolError
+        s += (f',"tensor":{{"datatype":{encode_basestring_ascii(t.datatype)},"shape":{_ints(t.shape)},'
+              f'"data_b64":"{_b64(t.raw)}"}}')
+    return f'{s},"token_ids":{_ints(c.token_ids)},"elapsed_s":{_float(c.elapsed_s)}}}'
+
+
+def message_lines(r: cpb.GenerateResponse) -> bytes:
+    """The NDJSON lines of one conductor message: its chunks in order, then the final event if set."""
+    lines = [chunk_line(c) for c in r.chunks]
+    if r.HasField("final"):
+        lines.append(json.dumps(final_json(r.final, r.request_id), separators=(",", ":")))
+    lines.append("")
+    return "\n".join(lines).encode()
+
+
 def usage_json(u: cpb.Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "walks": u.walks,
             "audio_seconds": u.audio_seconds}
@@ -70,14 +121,6 @@ def final_json(f: cpb.FinalEvent, request_id: str) -> dict:
 
 def error_json(code: str, message: str) -> dict:
     return {"type": "error", "error": {"code": code, "message": message}}
-
-
-def message_json(r: cpb.GenerateResponse) -> list[dict]:
-    """The NDJSON lines of one conductor message: its chunks in order, then the final event if set."""
-    lines = [chunk_json(c) for c in r.chunks]
-    if r.HasField("final"):
-        lines.append(final_json(r.final, r.request_id))
-    return lines
 
 
 class Collected:

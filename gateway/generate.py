@@ -18,7 +18,7 @@ from aiohttp import web
 
 from mstar.gateway.body import read_generate_body
 from mstar.gateway.client import ConductorClient
-from mstar.gateway.convert import Collected, ProtocolError, error_json, message_json, to_request
+from mstar.gateway.convert import Collected, ProtocolError, error_json, message_lines, to_request
 from mstar.gateway.errors import ApiError
 from mstar.v1 import conductor_pb2 as cpb
 
@@ -128,7 +128,7 @@ async def _pump(resp: web.StreamResponse, call: grpc.aio.UnaryStreamCall, msg: c
         try:
             if msg is None:
                 raise ProtocolError("conductor ended the stream without a final event")
-            lines = b"".join(_line(x) for x in message_json(msg))
+            lines = message_lines(msg)
         except ProtocolError as e:
             log.error("streaming request: %s", e)
             await resp.write(_line(error_json("INTERNAL", str(e))))

@@ -17,11 +17,12 @@ so far) is read at every scrape (``watch_kv``), so the series cost nothing betwe
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 disable_created_metrics()  # no *_created series: Prometheus does not need them and they double the output
 
@@ -49,8 +50,6 @@ REQUEST_DURATION = Histogram("mstar_request_duration_seconds", "End-to-end time 
 FIRST_OUTPUT = Histogram("mstar_time_to_first_output_seconds", "Time from arrival to a request's first output of each "
                          "modality (text: first token, audio: first chunk, image: the image)", ["model", "modality"],
                          buckets=LATENCY_BUCKETS)
-INTER_CHUNK = Histogram("mstar_inter_chunk_seconds", "Time between consecutive outputs of one modality within a request",
-                        ["model", "modality"], buckets=STEP_BUCKETS)
 AUDIO_OUTPUT = Counter("mstar_audio_output_seconds", "Seconds of audio sent to clients", ["model"])
 AUDIO_RTF = Histogram("mstar_audio_real_time_factor", "Per request with audio that finished OK: wall seconds from arrival "
                       "to the end divided by audio seconds produced (below 1: faster than real time)", ["model"],
@@ -115,6 +114,64 @@ class _SumsCollector:
         return [CounterMetricFamily(name, doc, labels=self.labels) for name, doc in self.help.items()]
 
 
+class _HistogramSeries:
+    """One label set of a ``_FastHistogram``: bucket counts and a sum, updated without a lock
+    by one event loop."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect_left(self.bounds, x)] += 1  # le semantics: x <= bound
+        self.sum += x
+
+
+class _FastHistogram:
+    """A histogram kept as plain bucket counts per label set and turned into a histogram family
+    at scrape time, like ``_SumsCollector``'s counters. For an observation per streamed chunk,
+    where a prometheus_client ``observe`` costs ~1.3 µs (a lock per bucket and sum)."""
+
+    def __init__(self, name: str, doc: str, labels: list[str], buckets) -> None:
+        self.name, self.doc, self.label_names = name, doc, labels
+        self.bounds = [float(b) for b in buckets]
+        self._lock = threading.Lock()
+        self._series: dict[tuple[str, ...], _HistogramSeries] = {}
+
+    def labels(self, *label_values: str) -> _HistogramSeries:
+        with self._lock:
+            series = self._series.get(label_values)
+            if series is None:
+                series = self._series[label_values] = _HistogramSeries(self.bounds)
+            return series
+
+    def collect(self):
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.label_names)
+        with self._lock:
+            items = [(k, list(v.counts), v.sum) for k, v in self._series.items()]
+        for label_values, counts, total in items:
+            cumulative, buckets = 0, []
+            for bound, n in zip([*self.bounds, float("inf")], counts, strict=True):
+                cumulative += n
+                buckets.append((_bound_text(bound), cumulative))
+            fam.add_metric(list(label_values), buckets, total)
+        return [fam]
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.doc, labels=self.label_names)]
+
+
+def _bound_text(bound: float) -> str:
+    """A bucket's ``le`` as prometheus_client writes it (``0.005``, ``1.0``, ``+Inf``)."""
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+INTER_CHUNK = _FastHistogram("mstar_inter_chunk_seconds", "Time between consecutive outputs of one modality within a "
+                             "request", ["model", "modality"], STEP_BUCKETS)
+REGISTRY.register(INTER_CHUNK)
 _EDGES = _SumsCollector(_EDGE_HELP, EDGE_LABELS)  # [tensors, bytes, seconds]
 REGISTRY.register(_EDGES)
 #: gRPC messages and frames each service writes to each peer: frames ÷ messages is how well a
@@ -191,7 +248,7 @@ class RequestMetrics:
         self.audio = AUDIO_OUTPUT.labels(model)
         self.rtf = AUDIO_RTF.labels(model)
         self._first: dict[str, Histogram] = {}
-        self._gap: dict[str, Histogram] = {}
+        self._gap: dict[str, _HistogramSeries] = {}
         self._finished: dict[str, Counter] = {}
         self._failed: dict[str, Counter] = {}
         REQUESTS_INFLIGHT.labels(model).set_function(inflight)
@@ -205,8 +262,14 @@ class RequestMetrics:
             h = self._first.get(modality) or self._first.setdefault(modality, FIRST_OUTPUT.labels(self.model, modality))
             h.observe(first_s)
         if gap_s is not None:
-            h = self._gap.get(modality) or self._gap.setdefault(modality, INTER_CHUNK.labels(self.model, modality))
-            h.observe(gap_s)
+            self.gap(modality).observe(gap_s)
+
+    def gap(self, modality: str) -> _HistogramSeries:
+        """The inter-chunk histogram of one modality (observed once per streamed chunk)."""
+        h = self._gap.get(modality)
+        if h is None:
+            h = self._gap[modality] = INTER_CHUNK.labels(self.model, modality)
+        return h
 
     def finished(self, finish_reason: str, total_s: float, audio_s: float) -> None:
         c = self._finished.get(finish_reason) or self._finished.setdefault(
@@ -227,19 +290,21 @@ class RequestMetrics:
 class OutputClock:
     """Per request: when each modality last produced an output (first output, gaps)."""
 
-    __slots__ = ("t0", "last")
+    __slots__ = ("t0", "last", "_gaps")
 
     def __init__(self, t0: float):
         self.t0 = t0
         self.last: dict[str, float] = {}
+        self._gaps: dict[str, _HistogramSeries] = {}  # this request's modalities' gap histograms
 
     def tick(self, m: RequestMetrics, modality: str, now: float) -> None:
         last = self.last.get(modality)
         self.last[modality] = now
         if last is None:
             m.output(modality, now - self.t0, None)
+            self._gaps[modality] = m.gap(modality)
         else:
-            m.output(modality, None, now - last)
+            self._gaps[modality].observe(now - last)
 
 
 class GroupMetrics:

@@ -15,7 +15,7 @@ _TO_WIRE: dict[torch.dtype, str] = {
     torch.float32: "FP32", torch.float64: "FP64",
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
-_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _FROM_WIRE.items()}
+_SPECS = {name: (dt, torch.empty((), dtype=dt).element_size()) for name, dt in _FROM_WIRE.items()}  # dtype, itemsize
 
 assert sys.byteorder == "little", "M* writes tensors little-endian and runs on little-endian hosts"
 
@@ -54,8 +54,12 @@ def fill_proto(msg: pb.Tensor, name: str, t: torch.Tensor) -> None:
     dtype = t.dtype
     msg.name = name
     msg.datatype = _TO_WIRE.get(dtype) or wire_dtype(dtype)
-    msg.shape.extend(t.shape)
-    if t.is_cpu and t.is_contiguous() and dtype is not torch.bfloat16 and not t.requires_grad:
+    shape = t.shape
+    if len(shape) == 1:
+        msg.shape.append(shape[0])
+    else:
+        msg.shape.extend(shape)
+    if t.is_cpu and dtype is not torch.bfloat16 and not t.requires_grad and t.is_contiguous():
         msg.raw = t.numpy().tobytes()  # the common case, one copy
     else:
         msg.raw = bytes(tensor_bytes(t))
@@ -73,19 +77,28 @@ SMALL_BYTES = 64 * 1024
 
 
 def from_bytes(buf, datatype: str, shape) -> torch.Tensor:
-    dtype = _FROM_WIRE.get(datatype) or torch_dtype(datatype)
-    shape = list(shape)
-    count = 1
-    for s in shape:
-        count *= s
-    itemsize = _ITEMSIZE[datatype]
+    """A tensor of ``shape`` (a sequence of ints, e.g. a message's repeated field) over a copy of ``buf``."""
+    spec = _SPECS.get(datatype)
+    if spec is None:
+        torch_dtype(datatype)  # raises WireError naming the supported datatypes
+    dtype, itemsize = spec
+    ndim = len(shape)
+    if ndim == 1:  # the common case: no list of the message's repeated field
+        count = shape[0]
+    else:
+        shape = list(shape)
+        count = 1
+        for s in shape:
+            count *= s
     nbytes = len(buf)
     if nbytes != count * itemsize:
-        raise WireError(f"tensor of shape {shape} {datatype} needs {count * itemsize} bytes, got {nbytes}")
+        raise WireError(f"tensor of shape {list(shape)} {datatype} needs {count * itemsize} bytes, got {nbytes}")
     if 0 < nbytes < SMALL_BYTES:  # one copy, into a bytearray the tensor keeps alive
         out = torch.frombuffer(bytearray(buf), dtype=dtype)
-        return out if len(shape) == 1 else out.view(shape)
-    out = torch.empty(shape, dtype=dtype)
+        if ndim == 1:
+            return out
+        return out.view(*shape) if ndim else out.view(())  # view(*ints): half of view(list)'s cost
+    out = torch.empty([count] if ndim == 1 else shape, dtype=dtype)
     if count:  # one copy, straight into memory the tensor owns
         out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
     return out

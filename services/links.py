@@ -19,7 +19,7 @@ import torch
 
 from mstar import metrics
 from mstar.services.transport import LinkSender, Protocol
-from mstar.v1 import conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
+from mstar.v1 import conductor_pb2, node_group_pb2
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,45 @@ DEFER_S = 0.005
 OnDown = Callable[["Link", str, set[str]], None]  # (link, reason, request ids)
 
 
+def _method(module, service: str, method: str) -> str:
+    return f"/{module.DESCRIPTOR.services_by_name[service].full_name}/{method}"
+
+
+#: the stream a link of each kind opens: NodeGroup.Exchange or WalkEvents.Report (FrameBatch -> Ack)
+_METHODS = {"exchange": _method(node_group_pb2, "NodeGroup", "Exchange"),
+            "report": _method(conductor_pb2, "WalkEvents", "Report")}
+_FRAMES_TAG = 0x12  # FrameBatch.frames: field 2, length-delimited
+assert node_group_pb2.FrameBatch.DESCRIPTOR.fields_by_name["frames"].number == 2
+assert node_group_pb2.FrameBatch.DESCRIPTOR.fields_by_name["sender"].number == 1
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def batch_bytes(sender_field: bytes, frames: list[node_group_pb2.Frame]) -> bytes:
+    """A serialized FrameBatch of ``frames``, written field by field: each frame is serialized
+    once, where ``FrameBatch(frames=...)`` would first copy every frame into the batch (~0.7 µs a
+    frame more). ``sender_field``: the batch's serialized ``sender`` field (``_sender_field``)."""
+    parts = [sender_field]
+    add = parts.append
+    for f in frames:
+        data = f.SerializeToString()
+        n = len(data)
+        add(bytes((_FRAMES_TAG, n)) if n < 0x80 else bytes((_FRAMES_TAG,)) + _varint(n))
+        add(data)
+    return b"".join(parts)
+
+
+def _sender_field(name: str) -> bytes:
+    return node_group_pb2.FrameBatch(sender=name).SerializeToString()
+
+
 class Link:
     def __init__(self, sender_name: str, peer: str, address: str, kind: str, protocol: Protocol, on_down: OnDown):
         self.sender_name, self.peer, self.address, self.kind = sender_name, peer, address, kind
@@ -68,6 +107,7 @@ class Link:
         self._defer_timer: asyncio.TimerHandle | None = None
         self._edges = metrics.EdgeMetrics(sender_name, peer)
         self._written = metrics.link_counts(sender_name, peer)  # [messages, frames]
+        self._sender_field = _sender_field(sender_name)
         self.draining = False  # set by Links.drain: a link that goes down now is the shutdown, not a fault
 
     # -- sending -------------------------------------------------------------------------
@@ -148,16 +188,14 @@ class Link:
             written[0] += 1
             written[1] += len(frames)
             try:
-                await call.write(node_group_pb2.FrameBatch(sender=self.sender_name, frames=frames))
+                await call.write(batch_bytes(self._sender_field, frames))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
                 return  # the call ended; the reader reports why
 
     async def _run(self, tensors: LinkSender, queue: asyncio.Queue) -> None:
         assert self._channel is not None
-        if self.kind == "report":
-            call = conductor_pb2_grpc.WalkEventsStub(self._channel).Report()
-        else:
-            call = node_group_pb2_grpc.NodeGroupStub(self._channel).Exchange()
+        # messages go out already serialized (batch_bytes): no request serializer
+        call = self._channel.stream_stream(_METHODS[self.kind], response_deserializer=node_group_pb2.Ack.FromString)()
         writer = asyncio.get_running_loop().create_task(self._write(call, queue))
         reason = "stream closed by peer"
         try:

@@ -69,3 +69,18 @@ def test_deferred_frames_ride_along_keep_order_and_are_not_kept_back_for_long():
             await server.stop(0)
 
     run(main())
+
+
+def test_batch_bytes_is_the_frame_batch_serialized():
+    """Links write each message as bytes built frame by frame (no copy of the frames into a
+    FrameBatch): the very bytes FrameBatch.SerializeToString writes, at every length prefix size."""
+    for n in (0, 1, 100, 127, 128, 16383, 16384, 1 << 21):
+        frames = [pb.Frame(kind=K.FRAME_KIND_DATA, request_id="r" * n, iteration=-1),
+                  pb.Frame(kind=K.FRAME_KIND_START_WALK, walk="w", routes={"g": "h:1"}, persisted_sent={"g": 2}),
+                  pb.Frame()]
+        frames[0].tensors.add(name="x", datatype="UINT8", shape=[3], raw=b"abc")
+        want = pb.FrameBatch(sender="links-test", frames=frames)
+        got = links_mod.batch_bytes(links_mod._sender_field("links-test"), frames)
+        assert got == want.SerializeToString(), n
+        assert pb.FrameBatch.FromString(got) == want
+    assert links_mod.batch_bytes(links_mod._sender_field(""), []) == b""

@@ -97,13 +97,13 @@ def test_big_pooled_payloads_are_decoded_off_the_event_loop():
         big, small = batch(OFFLOAD_BYTES), batch(MIN_REF_BYTES)
         assert TensorReceiver.slow_bytes(big) == OFFLOAD_BYTES and TensorReceiver.slow_bytes(small) == MIN_REF_BYTES
         threads = []
-        real = receiver.decode_batch
+        real = receiver.decode_frames
 
-        def spy(b, acks):
+        def spy(*args):
             threads.append(threading.current_thread() is threading.main_thread())
-            return real(b, acks)
+            return real(*args)
 
-        receiver.decode_batch = spy
+        receiver.decode_frames = spy
 
         async def main():
             acks: list[int] = []

@@ -126,10 +126,12 @@ class LinkSender:
         self._where: str | None = None  # "process" | "host" | "other", once the peer said where it runs
         self._inline = TensorSender()
         self._subs: dict[str, TensorSender] = {}
+        self._inline_below = self._inline_limit()
 
     def set_peer(self, peer: node_group_pb2.Location) -> None:
         self.peer = peer
         self._where = "process" if peer.process == PROCESS_TOKEN else "host" if peer.host_id == host_id() else "other"
+        self._inline_below = self._inline_limit()
         log.info("link %s -> %s: %s", self.owner, peer.service or "?", self.describe())
 
     def describe(self) -> str:
@@ -189,8 +191,20 @@ class LinkSender:
             sub = self._subs[kind] = _transport_class(kind, 0)(self.owner)
         return sub
 
+    def _inline_limit(self) -> float:
+        """Tensors of fewer bytes go inline whatever else ``pick`` weighs (most tensors: tokens,
+        small chunks), so ``encode_into`` skips the choice for them."""
+        if self.protocol is Protocol.TCP:
+            return float("inf")
+        if self.protocol is Protocol.AUTO and self._where == "process":
+            return 0  # local hand-over at any size
+        return MIN_REF_BYTES
+
     def encode_into(self, msg: pb.Tensor, name: str, t: torch.Tensor) -> str:
         """Encode ``t`` into ``msg``; returns the transport used."""
+        if t.nbytes < self._inline_below:
+            wire.fill_proto(msg, name, t)
+            return "inline"
         kind = self.pick(t)
         if kind == "inline":
             self._inline.encode_into(msg, name, t)
@@ -229,10 +243,11 @@ class TensorReceiver:
     """Decodes tensors arriving on one incoming stream."""
 
     @staticmethod
-    def slow_bytes(batch) -> int:
-        """Bytes of a FrameBatch that must be copied through host memory or read over the network."""
+    def slow_bytes(batch, frames=None) -> int:
+        """Bytes of a FrameBatch (or of those of its ``frames``) that must be copied through host
+        memory or read over the network."""
         n = 0
-        for f in batch.frames:
+        for f in batch.frames if frames is None else frames:
             for t in f.tensors:
                 kind = t.WhichOneof("payload")
                 if kind in _SLOW_PAYLOADS:
@@ -242,21 +257,56 @@ class TensorReceiver:
     def decode_batch(self, batch, acks: list[int]) -> list[list[torch.Tensor] | Exception]:
         """Every frame's tensors in order, or the exception that decoding that frame raised
         (a transport failure ends that frame's request, not the stream)."""
-        out: list[list[torch.Tensor] | Exception] = []
-        for f in batch.frames:
-            try:
-                out.append([self.decode(t, acks) for t in f.tensors])
-            except Exception as e:
-                log.warning("cannot decode a tensor of request %s from %s: %s: %s", f.request_id, batch.sender,
-                            type(e).__name__, e)
-                out.append(e)
+        out, pooled = self._decode_inline(batch)
+        if pooled:
+            self.decode_frames(batch, pooled, out, acks)
         return out
 
     async def decode_batch_async(self, batch, acks: list[int]) -> list[list[torch.Tensor] | Exception]:
-        """``decode_batch``, on a worker thread when the batch carries big pooled payloads."""
-        if self.slow_bytes(batch) >= OFFLOAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(None, self.decode_batch, batch, acks)
-        return self.decode_batch(batch, acks)
+        """``decode_batch``, with the pooled payloads on a worker thread when they are big."""
+        out, pooled = self._decode_inline(batch)
+        if pooled:
+            frames = batch.frames
+            if self.slow_bytes(batch, [frames[i] for i in pooled]) >= OFFLOAD_BYTES:
+                await asyncio.get_running_loop().run_in_executor(None, self.decode_frames, batch, pooled, out, acks)
+            else:
+                self.decode_frames(batch, pooled, out, acks)
+        return out
+
+    def _decode_inline(self, batch) -> tuple[list, list[int]]:
+        """One pass over the batch (the common case: every tensor inline, small): the tensors of
+        frames with only inline ones; None and the frame's index in the list for the others."""
+        out: list = []
+        pooled: list[int] = []
+        from_bytes = wire.from_bytes
+        for f in batch.frames:
+            try:
+                row = []
+                for t in f.tensors:
+                    if t.WhichOneof("payload") != "raw":
+                        pooled.append(len(out))
+                        row = None
+                        break
+                    row.append(from_bytes(t.raw, t.datatype, t.shape))
+            except Exception as e:
+                row = self._failed(batch, f, e)
+            out.append(row)
+        return out, pooled
+
+    def decode_frames(self, batch, indices: list[int], out: list, acks: list[int]) -> None:
+        """Decode the frames at ``indices`` of the batch into ``out`` (pooled payloads: acknowledged in ``acks``)."""
+        frames = batch.frames
+        for i in indices:
+            f = frames[i]
+            try:
+                out[i] = [self.decode(t, acks) for t in f.tensors]
+            except Exception as e:
+                out[i] = self._failed(batch, f, e)
+
+    @staticmethod
+    def _failed(batch, f, e: Exception) -> Exception:
+        log.warning("cannot decode a tensor of request %s from %s: %s: %s", f.request_id, batch.sender, type(e).__name__, e)
+        return e
 
     def __init__(self) -> None:
         self._readers: dict[str, object] = {}
@@ -269,8 +319,10 @@ class TensorReceiver:
 
     def decode(self, msg: pb.Tensor, acks: list[int]) -> torch.Tensor:
         kind = msg.WhichOneof("payload")
-        if kind == "raw" or kind is None:
-            return wire.from_proto(msg)
+        if kind == "raw":
+            return wire.from_bytes(msg.raw, msg.datatype, msg.shape)
+        if kind is None:
+            return wire.from_proto(msg)  # raises: no payload
         return self._reader(kind).read(msg, acks)
 
     def close(self) -> None:
