@@ -185,9 +185,12 @@ def _schemas(max_timeout_s: float) -> dict:
             "voice": _or_null({"type": "string", "description": "model_kwargs.voice; 'default' = the model's own"}),
             "response_format": _or_null({"enum": ["wav", "pcm"]}),
             "stream_format": _or_null({"enum": ["audio", "sse"]}),
+            "temperature": _or_null(NUM), "top_p": _or_null(NUM), "seed": _or_null(INT), "max_tokens": _or_null(INT),
             "speed": _or_null({"const": 1}), "instructions": _or_null({"const": ""}),
             "model_kwargs": _or_null(KWARGS),
-        }, ("model", "input"), doc="stream_format 'sse' needs response_format 'pcm'."),
+        }, ("model", "input"), doc="stream_format 'sse' needs response_format 'pcm'. temperature, top_p, seed and "
+                                   "max_tokens go to the model as model_kwargs; a model refusing one is a 400 "
+                                   "naming it."),
         "SpeechEvent": {"oneOf": [
             _obj({"type": {"const": "speech.audio.delta"}, "audio": {"type": "string", "contentEncoding": "base64"},
                   "sample_rate_hz": INT}, ("type", "audio", "sample_rate_hz")),

@@ -9,9 +9,11 @@ from pathlib import Path
 
 from mstar.config import ConfigError, Placement, load_config
 from mstar.deploy import cli as deploy_cli
+from mstar.devices import check_gpus
 from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
 from mstar.models.base import MissingAssets
 from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
+from mstar.ports import PortInUse
 from mstar.services.transport import PROTOCOL_HELP, parse_protocol
 
 
@@ -37,12 +39,7 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
     try:
         parse_protocol(args.tensor_comm_protocol)
         config = load_config(config_path)
-        gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else None
-        if gpus is not None:
-            for g in config.node_groups:
-                bad = [r for r in g.ranks if r >= len(gpus)]
-                if bad:
-                    raise ConfigError(f"node group '{g.name}': ranks {bad} but --gpus lists only {len(gpus)} device(s)")
+        gpus = check_gpus(args.gpus, config.node_groups) if args.gpus is not None else None
         cache_dir = args.cache_dir
         if args.random_weights:
             cache_dir = cache_dir or str(Path.home() / ".cache" / "mstar" / "random-weights")
@@ -54,7 +51,7 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
                              envoy=args.envoy, envoy_port=args.envoy_port)
         return run_forever(Mesh(config, opts))
-    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets) as e:
+    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets, PortInUse) as e:
         print(f"mstar: {e}", file=sys.stderr)
         return 2
 

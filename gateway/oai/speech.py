@@ -3,7 +3,9 @@ model with an audio output (PCM16 mono chunks, each with its sample rate).
 
 - ``input`` is the prompt text; ``voice`` goes to the model as ``model_kwargs.voice`` (left
   out when absent, null or ``"default"``; a model without voices refuses any other: a 400
-  naming ``voice``); ``model_kwargs`` (M*'s extension) adds model-specific knobs.
+  naming ``voice``); the sampling knobs ``temperature``, ``top_p``, ``seed`` and
+  ``max_tokens`` (M*'s extensions, as on chat completions) go to the model under the same
+  names; ``model_kwargs`` (M*'s extension) adds model-specific knobs.
 - ``response_format``: ``wav`` (default; the whole file, exact header) or ``pcm`` (raw PCM16
   little-endian mono; the rate is in ``X-Sample-Rate-Hz``). mp3/opus/aac/flac are a 400.
 - ``stream_format``: ``audio`` (default; with ``pcm`` the bytes stream as the model makes
@@ -24,7 +26,7 @@ from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request
 from mstar.gateway.generate import SETTINGS
 from mstar.gateway.oai.call import conductor_call, error_event, openai_route, served_output, sse, to_api_error
-from mstar.gateway.oai.params import NUMBER, STRING, Known, Params, exactly
+from mstar.gateway.oai.params import INTEGER, NUMBER, STRING, Known, Params, exactly
 
 log = logging.getLogger("mstar.gateway")
 ROUTE = "/v1/audio/speech"
@@ -32,6 +34,8 @@ KNOWN: dict[str, Known] = {
     "speed": (lambda v: NUMBER[1](v) and v == 1, "M* speaks at the model's own pace; leave speed out or send 1.0"),
     "instructions": (exactly(""), "M* models take no speaking instructions"),
 }
+#: sampling knobs taken at top level, passed to the model as model_kwargs of the same name
+KNOBS = {"temperature": NUMBER, "top_p": NUMBER, "seed": INTEGER, "max_tokens": INTEGER}
 MIME = {"wav": "audio/wav", "pcm": "audio/pcm"}
 
 
@@ -43,6 +47,8 @@ def _parse(body: dict) -> tuple[Params, str, str, str, str]:
     if voice is not None and voice != "default":
         p.model_kwargs["voice"] = voice
         p.param_of["voice"] = "voice"
+    for name, kind in KNOBS.items():
+        p.knob(name, kind)
     fmt = p.string("response_format", choices=("wav", "pcm"), default="wav")
     stream_format = p.string("stream_format", choices=("audio", "sse"), default="audio")
     if stream_format == "sse" and fmt != "pcm":

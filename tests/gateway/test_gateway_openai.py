@@ -132,3 +132,24 @@ def test_client_leaving_a_streaming_chat_cancels_the_call():
             return env.fake.cancelled.is_set()
 
     assert run(go())
+
+
+def test_speech_takes_the_sampling_knobs_at_top_level():
+    """As the README lists them: temperature, top_p, seed, max_tokens go to the model as
+    model_kwargs; one also given in model_kwargs is a 400 naming both."""
+    async def go():
+        async with gateway() as env:
+            body = {"model": "toy", "input": "hi", "voice": "tara", "temperature": 0.7, "top_p": 0.9, "seed": 3,
+                    "max_tokens": 50, "model_kwargs": {"repetition_penalty": 1.1}}
+            async with env.client.post("/v1/audio/speech", json=body) as r:
+                assert r.status == 200, await r.text()
+            kwargs = json.loads(env.fake.requests[-1].model_kwargs_json)
+            async with env.client.post("/v1/audio/speech", json={**body, "model_kwargs": {"temperature": 1}}) as r:
+                clash = r.status, await r.json()
+            return kwargs, clash
+
+    kwargs, (status, err) = run(go())
+    assert kwargs == {"voice": "tara", "temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 50,
+                      "repetition_penalty": 1.1}
+    assert status == 400 and err["error"]["param"] == "model_kwargs.temperature"
+    assert "also set by 'temperature'" in err["error"]["message"]
