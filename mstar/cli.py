@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mstar.config import ConfigError, Placement, load_config
 from mstar.deploy import cli as deploy_cli
-from mstar.devices import check_gpus
+from mstar.devices import placement_line, resolve_gpus
 from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
 from mstar.models.base import MissingAssets
 from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
@@ -22,7 +22,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port)")
     p.add_argument("--grpc-port", type=int, default=50051, help="conductor gRPC port (0: any free port)")
-    p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1")
+    p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1 (default: every "
+                                  "GPU torch sees; '' or no CUDA: the CPU)")
     p.add_argument("--cache-dir", help="directory holding model weights (Hugging Face layout or HF cache)")
     p.add_argument("--random-weights", action="store_true",
                    help="demo mode: serve a tiny RANDOM checkpoint written in the real layout (no real weights needed; "
@@ -39,7 +40,7 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
     try:
         parse_protocol(args.tensor_comm_protocol)
         config = load_config(config_path)
-        gpus = check_gpus(args.gpus, config.node_groups) if args.gpus is not None else None
+        gpus = resolve_gpus(args.gpus, config.node_groups)
         cache_dir = args.cache_dir
         if args.random_weights:
             cache_dir = cache_dir or str(Path.home() / ".cache" / "mstar" / "random-weights")
@@ -50,7 +51,9 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
         opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
                              envoy=args.envoy, envoy_port=args.envoy_port)
-        return run_forever(Mesh(config, opts))
+        mesh = Mesh(config, opts)
+        print(placement_line(config.node_groups, gpus, args.gpus), file=sys.stderr, flush=True)
+        return run_forever(mesh)
     except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets, PortInUse) as e:
         print(f"mstar: {e}", file=sys.stderr)
         return 2

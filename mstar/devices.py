@@ -1,5 +1,6 @@
-"""Which CUDA devices a mesh's node groups run on: ``--gpus`` checked against what torch sees,
-before anything starts."""
+"""Which CUDA devices a mesh's node groups run on, decided before anything starts: without
+``--gpus`` every GPU torch sees (none: the CPU); ``--gpus ''`` the CPU; ``--gpus 0,1`` those,
+checked against what torch sees. YAML ranks index the resulting list."""
 
 from __future__ import annotations
 
@@ -60,3 +61,26 @@ def check_ranks(groups: Sequence[NodeGroupConfig], ids: list[int], where: str) -
         if bad:
             raise ConfigError(f"node group '{g.name}': ranks {list(g.ranks)} need {max(g.ranks) + 1} GPU(s), but "
                               f"{where} gives {len(ids)}; use a config with fewer ranks or more GPUs")
+
+
+def resolve_gpus(spec: str | None, groups: Sequence[NodeGroupConfig], count: int | None = None) -> list[int] | None:
+    """The device ids YAML ranks map onto, or None for the CPU. ``spec`` is ``--gpus`` (None:
+    not given: every visible GPU, or the CPU where torch sees none)."""
+    if spec is not None:
+        return check_gpus(spec, groups, count)
+    count = cuda_device_count() if count is None else count
+    if count == 0:
+        return None
+    ids = list(range(count))
+    check_ranks(groups, ids, f"this host ({count} visible CUDA device(s))")
+    return ids
+
+
+def placement_line(groups: Sequence[NodeGroupConfig], gpus: list[int] | None, spec: str | None) -> str:
+    """One line saying where each node group runs and why."""
+    if gpus is None:
+        why = "--gpus ''" if spec is not None else "no CUDA device visible to torch"
+        return f"M* placement: every node group on the CPU ({why})"
+    where = ", ".join(f"{g.name} -> {', '.join(f'cuda:{gpus[r]}' for r in g.ranks)}" for g in groups)
+    why = f"--gpus {spec}" if spec is not None else f"every visible GPU ({len(gpus)}); --gpus '' serves on the CPU"
+    return f"M* placement: {where} ({why})"
