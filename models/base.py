@@ -276,6 +276,12 @@ class Model:
     def build_walks(self) -> list[Walk]:
         raise NotImplementedError
 
+    def checkpoints(self) -> list[Any]:
+        """The checkpoints this model (with its model_kwargs) reads, as ``mstar.models.hub``
+        ``CheckpointSpec``s: the launcher finds them in the local caches, or downloads them
+        when allowed, before any service starts. Models without weights need none."""
+        return []
+
     def check_assets(self) -> None:
         """Raise with a message saying where to put them if weights/tokenizers are missing.
         The launcher calls it before starting anything."""

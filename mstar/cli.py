@@ -10,8 +10,10 @@ from pathlib import Path
 from mstar.config import ConfigError, Placement, load_config
 from mstar.deploy import cli as deploy_cli
 from mstar.devices import placement_line, resolve_gpus
+from mstar.env import settings
 from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
 from mstar.models.base import MissingAssets
+from mstar.models.hub import CheckpointError
 from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
 from mstar.ports import PortInUse
 from mstar.services.transport import PROTOCOL_HELP, parse_protocol
@@ -24,7 +26,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="conductor gRPC port (0: any free port)")
     p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1 (default: every "
                                   "GPU torch sees; '' or no CUDA: the CPU)")
-    p.add_argument("--cache-dir", help="directory holding model weights (Hugging Face layout or HF cache)")
+    p.add_argument("--cache-dir", help="directory holding model weights, looked at first (HF hub cache layout "
+                                       "models--org--name/snapshots/..., or org/name folders); then HF_HUB_CACHE, "
+                                       "HF_HOME/hub, ~/.cache/huggingface/hub")
+    p.add_argument("--download", action="store_true",
+                   help="download checkpoints missing from the local caches (Hugging Face hub, with a progress bar) into "
+                        "--cache-dir or the HF cache; also MSTAR_DOWNLOAD=1")
     p.add_argument("--random-weights", action="store_true",
                    help="demo mode: serve a tiny RANDOM checkpoint written in the real layout (no real weights needed; "
                         "output is noise)")
@@ -50,11 +57,13 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
                   f"not speech", file=sys.stderr, flush=True)
         opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
-                             envoy=args.envoy, envoy_port=args.envoy_port)
+                             envoy=args.envoy, envoy_port=args.envoy_port,
+                             download=args.download or settings().download)
         mesh = Mesh(config, opts)
         print(placement_line(config.node_groups, gpus, args.gpus), file=sys.stderr, flush=True)
         return run_forever(mesh)
-    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets, PortInUse) as e:
+    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets, PortInUse,
+            CheckpointError) as e:
         print(f"mstar: {e}", file=sys.stderr)
         return 2
 

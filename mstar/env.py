@@ -18,6 +18,8 @@ class Settings:
     #: node groups without engines: the longest back-to-back rounds run before yielding to the
     #: event loop (NodeGroupRuntime.round_budget_s); 0 yields after every round
     round_budget_s: float
+    #: the launcher may download checkpoints missing from the local caches (as --download)
+    download: bool
 
 
 @lru_cache(maxsize=1)
@@ -27,7 +29,17 @@ def settings() -> Settings:
         connect_timeout_s=float(os.environ.get("MSTAR_CONNECT_TIMEOUT_S", "5")),
         gil_switch_interval_s=_positive("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0005"),
         round_budget_s=_seconds("MSTAR_ROUND_BUDGET_S", "0", allow_zero=True),
+        download=_flag("MSTAR_DOWNLOAD"),
     )
+
+
+def _flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable {name} must be 1/true/yes or 0/false/no, got {raw!r}")
 
 
 def _positive(name: str, default: str) -> float:

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mstar.config import Placement, PlacementConfig
+from mstar.models import hub
 from mstar.models.registry import create_model
 from mstar.ports import PortInUse, free_port, taken_ports
 
@@ -42,6 +43,7 @@ class LaunchOptions:
     startup_timeout_s: float = 120.0
     envoy: bool = False  # also run the xDS control plane and an Envoy front proxy
     envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
+    download: bool = False  # fetch checkpoints missing from the local caches (mstar.models.hub)
 
 
 @dataclass
@@ -62,7 +64,9 @@ class Mesh:
         self.config, self.opts = config, opts
         model = create_model(config.model, config.model_kwargs, opts.cache_dir)
         Placement(config, model)  # fail fast on a bad config...
-        model.check_assets()  # ...or missing weights, with a message saying where to put them
+        # ...or missing checkpoints (downloaded here when allowed), naming each and how to fetch it
+        hub.ensure(model.checkpoints(), opts.cache_dir, download=opts.download, model=config.model)
+        model.check_assets()  # ...or incomplete ones, with a message saying where to put them
         self.shm_prefix = f"mstar-{os.getpid()}-"
         h = opts.host
         groups = {g.name: f"{h}:{free_port(h)}" for g in config.node_groups}

@@ -44,21 +44,24 @@ from mstar.models.graph import (
     StreamingGraphEdge,
     Walk,
 )
+from mstar.models.hub import CheckpointError, CheckpointSpec, resolve_checkpoint
 from mstar.models.orpheus.checkpoint import (
-    CheckpointError,
+    INDEX_FILE,
+    SINGLE_FILE,
+    TOKENIZER_FILE,
     load_tokenizer,
     open_checkpoint,
-    resolve_checkpoint,
 )
+from mstar.models.orpheus.snac_weights import WEIGHT_FILE as SNAC_WEIGHT_FILE
 from mstar.models.orpheus.tokens import FINISH_STOP, VOICES, build_prompt_ids, window_plan
 
 SAMPLE_RATE = 24_000
 DEFAULT_LLM = "canopylabs/orpheus-3b-0.1-ft"
 DEFAULT_SNAC = "hubertsiuzdak/snac_24khz"
 MAX_DECODE_ITERS = 8192
-WEIGHTS_HELP = ("put the Hugging Face snapshots in --cache-dir (HF cache layout models--org--name/snapshots/..., "
-                "or plain <cache-dir>/org/name directories), or serve with --random-weights for a tiny random demo "
-                "checkpoint")
+WEIGHTS_HELP = ("put the Hugging Face snapshots in the HF cache or --cache-dir (layout models--org--name/snapshots/..., "
+                "or plain <cache-dir>/org/name directories), serve with --download to fetch them, or with "
+                "--random-weights for a tiny random demo checkpoint")
 
 # per-request knobs: name -> (type check, range check, default, description)
 _KNOBS: dict[str, tuple[Any, Any, Any, str]] = {
@@ -102,6 +105,13 @@ class OrpheusModel(Model):
         ]
 
     # -- assets --------------------------------------------------------------------------
+    def checkpoints(self) -> list[CheckpointSpec]:
+        kw = self.model_kwargs
+        return [CheckpointSpec(kw.get("llm", DEFAULT_LLM), required=("config.json", TOKENIZER_FILE, (INDEX_FILE, SINGLE_FILE)),
+                               allow_patterns=("*.json", "*.safetensors")),
+                CheckpointSpec(kw.get("snac", DEFAULT_SNAC), required=("config.json", SNAC_WEIGHT_FILE),
+                               allow_patterns=("config.json", SNAC_WEIGHT_FILE))]
+
     def checkpoint_dirs(self):
         kw = self.model_kwargs
         return (resolve_checkpoint(kw.get("llm", DEFAULT_LLM), cache_dir=self.cache_dir),
