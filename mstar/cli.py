@@ -7,16 +7,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from mstar.config import ConfigError, Placement, load_config
-from mstar.deploy import cli as deploy_cli
-from mstar.devices import placement_line, resolve_gpus
-from mstar.env import settings
-from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
-from mstar.models.base import MissingAssets
-from mstar.models.hub import CheckpointError
-from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
-from mstar.ports import PortInUse
-from mstar.services.transport import PROTOCOL_HELP, parse_protocol
+try:
+    from mstar.config import ConfigError, Placement, load_config
+    from mstar.deploy import cli as deploy_cli
+    from mstar.devices import placement_line, resolve_gpus
+    from mstar.env import settings
+    from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
+    from mstar.models.base import MissingAssets
+    from mstar.models.hub import CheckpointError
+    from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
+    from mstar.ports import PortInUse
+    from mstar.services.transport import PROTOCOL_HELP, parse_protocol
+except ModuleNotFoundError as _e:  # run from a checkout without its dependencies installed
+    raise SystemExit(f"mstar: {_e}: M*'s dependencies are not installed for {sys.executable}. Run `make setup` in the "
+                     f"checkout (or pip install -e '.[all]')") from None
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

@@ -10,10 +10,10 @@ from grpc_status import rpc_status
 
 from mstar.env import settings
 from mstar.services.transport import Protocol
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, request, rot13, run, text_of, wait_released
+from inprocess import inprocess_mesh
 
 PROMPT = "Hello, World. How are you?"
 

@@ -42,14 +42,15 @@ echo "$(ls "$OUT"/*.whl | wc -l) wheels, $(du -sh "$OUT" | cut -f1) in $OUT"
 if [ -n "${PACK:-}" ]; then
   stored=$(mktemp -d); trap 'rm -rf "$stored"' EXIT
   python3 - "$OUT" "$stored" <<'PY'
-import sys, zipfile
+import copy, sys, zipfile
 from pathlib import Path
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 for wheel in src.glob("*.whl"):  # same files, stored: xz then compresses across them
     with zipfile.ZipFile(wheel) as zin, zipfile.ZipFile(dst / wheel.name, "w", zipfile.ZIP_STORED) as zout:
         for info in zin.infolist():
-            info.compress_type = zipfile.ZIP_STORED
-            zout.writestr(info, zin.read(info.filename))
+            data, stored = zin.read(info), copy.copy(info)  # zin keeps reading through its own infos
+            stored.compress_type = zipfile.ZIP_STORED
+            zout.writestr(stored, data)
 PY
   mkdir -p "$(dirname "$PACK")"
   tar -C "$stored" -cf - . | xz -T0 -6 > "$PACK"

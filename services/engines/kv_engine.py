@@ -78,7 +78,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode graphs; off (and logged) where unavailable
     overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-    kernels: str = "auto"  # auto | torch | flashinfer | compile: RMSNorm / RoPE / SiLU·mul (kernels.py)
+    kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm / RoPE / SiLU·mul (kernels.py)
     # decode attention inside CUDA graphs: auto (the fused Triton RoPE + K/V store + split-KV
     # attention kernel when triton imports, else FlashInfer) | flashinfer | triton
     graph_attention: str = "auto"
