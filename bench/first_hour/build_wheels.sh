@@ -36,7 +36,8 @@ PY
 python3 -m pip download -q -d "$OUT" "${PLATFORM[@]}" -r "$OUT/requirements.txt" "setuptools>=68" wheel \
   $(make -s print-FLASHINFER_RUNTIME)
 python3 -m pip download -q -d "$OUT" "${PLATFORM[@]}" --no-deps snac $(make -s print-FLASHINFER)
-rm -f "$OUT"/torch-* "$OUT"/triton-* "$OUT"/nvidia_* 2>/dev/null || true
+rm -f "$OUT"/torch-* "$OUT"/triton-*
+for f in "$OUT"/nvidia_*; do case $f in *nvidia_ml_py*|*'nvidia_*') ;; *) rm -f "$f";; esac; done  # CUDA libs: the host's
 [ "${SLIM:-0}" = 1 ] && rm -f "$OUT"/numpy-* "$OUT"/transformers-*
 echo "$(ls "$OUT"/*.whl | wc -l) wheels, $(du -sh "$OUT" | cut -f1) in $OUT"
 if [ -n "${PACK:-}" ]; then
