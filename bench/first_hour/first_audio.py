@@ -103,8 +103,8 @@ def main() -> None:
     facts = [line.strip() for line in log_path.read_text().splitlines() if FACTS.search(line)]
     result = {"command": " ".join(cmd), "device": device_line(), "ready_s": round(ready_s, 2),
               "requests": requests, "log_facts": facts[:40],
-              "flashinfer": any("FlashInfer (paged" in f for f in facts),
-              "cuda_graphs": any("captured decode CUDA graphs" in f for f in facts)}
+              "flashinfer_used": any("FlashInfer (paged" in f for f in facts),
+              "cuda_graphs_used": any("captured decode CUDA graphs" in f for f in facts)}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -54,8 +54,8 @@ record = {"source": how, "make_setup_s": setup_s, **json.loads((out / "versions.
           "checkpoint": json.loads((out / "checkpoint.json").read_text()),
           **json.loads((out / "first_audio.json").read_text())}
 (out / "first_hour.json").write_text(json.dumps(record, indent=2) + "\n")
-print(json.dumps({k: record[k] for k in ("device", "torch", "flashinfer", "make_setup_s", "ready_s", "flashinfer",
-                                         "cuda_graphs")}, indent=2))
+print(json.dumps({k: record[k] for k in ("device", "torch", "flashinfer", "make_setup_s", "ready_s", "flashinfer_used",
+                                         "cuda_graphs_used")}, indent=2))
 print("first audio:", [(r["format"], r["first_byte_s"], r["audio_s"]) for r in record["requests"]])
 PY
 stamp done
