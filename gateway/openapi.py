@@ -36,7 +36,8 @@ def _obj(props: dict, required: tuple[str, ...] = (), *, closed: bool = True, do
 
 STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 MODEL = {"type": "string", "minLength": 1, "description": "a served model's name", "examples": ["toy"]}
-KWARGS = {"type": "object", "description": "per-request knobs; each model validates its own keys",
+KWARGS = {"type": "object", "description": "per-request knobs; each model validates its own keys: see the "
+                                          "<Model>ModelKwargs schemas (from the models' typed knobs)",
           "examples": [{"max_tokens": 8}]}
 _ERRORS = {
     "400": "a request field is wrong (``field``/``param`` names it)",
@@ -74,6 +75,15 @@ def _json_body(schema_name: str) -> dict:
     return {"required": True, "content": {"application/json": {"schema": _ref(schema_name)}}}
 
 
+def model_kwargs_schemas() -> dict:
+    """Each registered model's request knobs, as its typed schema says (models/*/knobs.py):
+    ``OrpheusModelKwargs``... Documentation of ``model_kwargs``: a body names its model at run
+    time, so the request schemas keep ``model_kwargs`` an open object."""
+    from mstar.models.registry import request_schemas
+
+    return {f"{name.title().replace('_', '')}ModelKwargs": cls.json_schema() for name, cls in request_schemas().items()}
+
+
 def _schemas(max_timeout_s: float) -> dict:
     chunk_line = _obj({
         "type": {"const": "chunk"}, "name": STR,
@@ -96,6 +106,7 @@ def _schemas(max_timeout_s: float) -> dict:
     oai_usage = _obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT},
                      ("prompt_tokens", "completion_tokens", "total_tokens"))
     return {
+        **model_kwargs_schemas(),
         "Error": _obj({"error": _obj({
             "message": STR, "type": {"enum": ["invalid_request_error", "rate_limit_error", "server_error"]},
             "field": _or_null(STR), "param": _or_null(STR), "code": STR,
@@ -185,9 +196,12 @@ def _schemas(max_timeout_s: float) -> dict:
             "voice": _or_null({"type": "string", "description": "model_kwargs.voice; 'default' = the model's own"}),
             "response_format": _or_null({"enum": ["wav", "pcm"]}),
             "stream_format": _or_null({"enum": ["audio", "sse"]}),
+            "temperature": _or_null(NUM), "top_p": _or_null(NUM), "seed": _or_null(INT), "max_tokens": _or_null(INT),
             "speed": _or_null({"const": 1}), "instructions": _or_null({"const": ""}),
             "model_kwargs": _or_null(KWARGS),
-        }, ("model", "input"), doc="stream_format 'sse' needs response_format 'pcm'."),
+        }, ("model", "input"), doc="stream_format 'sse' needs response_format 'pcm'. temperature, top_p, seed and "
+                                   "max_tokens go to the model as model_kwargs; a model refusing one is a 400 "
+                                   "naming it."),
         "SpeechEvent": {"oneOf": [
             _obj({"type": {"const": "speech.audio.delta"}, "audio": {"type": "string", "contentEncoding": "base64"},
                   "sample_rate_hz": INT}, ("type", "audio", "sample_rate_hz")),
@@ -236,7 +250,8 @@ def build(settings: GatewaySettings) -> dict:
         "/v1/audio/speech": {"post": {
             "operationId": "createSpeech", "summary": "OpenAI text to speech (models with an audio output)",
             "requestBody": _json_body("SpeechRequest"),
-            "responses": {"200": {"description": "WAV, raw PCM16 (rate in X-Sample-Rate-Hz) or SpeechEvent events",
+            "responses": {"200": {"description": "streamed as made: WAV (header sizes 0xFFFFFFFF: length unknown), raw "
+                                                 "PCM16 (rate in X-Sample-Rate-Hz) or SpeechEvent events",
                                   "headers": {"X-Sample-Rate-Hz": {"schema": STR}}, "content": {
                                       "audio/wav": {"schema": {"type": "string", "format": "binary"}},
                                       "audio/pcm": {"schema": {"type": "string", "format": "binary"}},

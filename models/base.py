@@ -251,6 +251,13 @@ class Model:
 
     name: ClassVar[str]
     nodes: ClassVar[tuple[GraphNode, ...]]
+    #: typed schemas (``mstar.models.knobs.Knobs``) of the placement YAML's model_kwargs and of a
+    #: request's model_kwargs; the gateway's OpenAPI document shows the request one. None: untyped
+    config_schema: ClassVar[Any] = None
+    request_schema: ClassVar[Any] = None
+    #: the longest sequence (prompt + output tokens) a request may have: the placement YAML's
+    #: max_seq_len, set by ``Placement``; models bound prompts by it and size their KV caches for it
+    max_seq_len: int = 4096
 
     def __init__(self, model_kwargs: dict[str, Any] | None = None, cache_dir: str | None = None):
         self.model_kwargs = dict(model_kwargs or {})
@@ -277,6 +284,12 @@ class Model:
     # -- graph ---------------------------------------------------------------------------
     def build_walks(self) -> list[Walk]:
         raise NotImplementedError
+
+    def checkpoints(self) -> list[Any]:
+        """The checkpoints this model (with its model_kwargs) reads, as ``mstar.models.hub``
+        ``CheckpointSpec``s: the launcher finds them in the local caches, or downloads them
+        when allowed, before any service starts. Models without weights need none."""
+        return []
 
     def check_assets(self) -> None:
         """Raise with a message saying where to put them if weights/tokenizers are missing.

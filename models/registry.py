@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mstar.models.base import Model
+if TYPE_CHECKING:  # the gateway reads request schemas from here without importing torch
+    from mstar.models.base import Model
 
 # name -> "module:Class"
 _REGISTRY: dict[str, str] = {
@@ -15,6 +16,13 @@ _REGISTRY: dict[str, str] = {
     "orpheus": "mstar.models.orpheus.model:OrpheusModel",
     "vjepa2": "mstar.models.vjepa2.model:VJepa2Model",
     "pi05": "mstar.models.pi05.model:Pi05Model",
+}
+
+# name -> "module:Class" of its request knobs (mstar.models.knobs.Knobs; no torch imported):
+# the gateway's OpenAPI document shows them; each is its model class's ``request_schema``
+_REQUEST_SCHEMAS: dict[str, str] = {
+    "toy": "mstar.models.toy.knobs:ToyRequest",
+    "orpheus": "mstar.models.orpheus.knobs:OrpheusRequest",
 }
 
 _MODELS_DIR = Path(__file__).resolve().parent
@@ -33,17 +41,29 @@ def known_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def register(name: str, target: str) -> None:
-    """Register an out-of-tree model: ``target`` is "module:Class"."""
+def register(name: str, target: str, request_schema: str | None = None) -> None:
+    """Register an out-of-tree model: ``target`` is "module:Class"; ``request_schema``
+    "module:Class" of its request knobs, if it has typed ones."""
     _REGISTRY[name] = target
+    if request_schema is not None:
+        _REQUEST_SCHEMAS[name] = request_schema
+
+
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def request_schemas() -> dict[str, Any]:
+    """Model name -> its request knobs class, for the models that declare one."""
+    return {name: _load(target) for name, target in sorted(_REQUEST_SCHEMAS.items())}
 
 
 def model_class(name: str) -> type[Model]:
     target = _REGISTRY.get(name)
     if target is None:
         raise UnknownModel(name)
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return _load(target)
 
 
 def create_model(name: str, model_kwargs: dict[str, Any] | None = None, cache_dir: str | None = None) -> Model:

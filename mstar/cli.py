@@ -7,12 +7,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from mstar.config import ConfigError, Placement, load_config
-from mstar.deploy import cli as deploy_cli
-from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
-from mstar.models.base import MissingAssets
-from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
-from mstar.services.transport import PROTOCOL_HELP, parse_protocol
+try:
+    from mstar.config import ConfigError, Placement, load_config
+    from mstar.deploy import cli as deploy_cli
+    from mstar.devices import placement_line, resolve_gpus
+    from mstar.env import settings
+    from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
+    from mstar.models.base import MissingAssets
+    from mstar.models.hub import CheckpointError
+    from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
+    from mstar.ports import PortInUse
+    from mstar.services.transport import PROTOCOL_HELP, parse_protocol
+except ModuleNotFoundError as _e:  # run from a checkout without its dependencies installed
+    raise SystemExit(f"mstar: {_e}: M*'s dependencies are not installed for {sys.executable}. Run `make setup` in the "
+                     f"checkout (or pip install -e '.[all]')") from None
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -20,8 +28,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port)")
     p.add_argument("--grpc-port", type=int, default=50051, help="conductor gRPC port (0: any free port)")
-    p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1")
-    p.add_argument("--cache-dir", help="directory holding model weights (Hugging Face layout or HF cache)")
+    p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1 (default: every "
+                                  "GPU torch sees; '' or no CUDA: the CPU)")
+    p.add_argument("--cache-dir", help="directory holding model weights, looked at first (HF hub cache layout "
+                                       "models--org--name/snapshots/..., or org/name folders); then HF_HUB_CACHE, "
+                                       "HF_HOME/hub, ~/.cache/huggingface/hub")
+    p.add_argument("--download", action="store_true",
+                   help="download checkpoints missing from the local caches (Hugging Face hub, with a progress bar) into "
+                        "--cache-dir or the HF cache; also MSTAR_DOWNLOAD=1")
     p.add_argument("--random-weights", action="store_true",
                    help="demo mode: serve a tiny RANDOM checkpoint written in the real layout (no real weights needed; "
                         "output is noise)")
@@ -37,12 +51,7 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
     try:
         parse_protocol(args.tensor_comm_protocol)
         config = load_config(config_path)
-        gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else None
-        if gpus is not None:
-            for g in config.node_groups:
-                bad = [r for r in g.ranks if r >= len(gpus)]
-                if bad:
-                    raise ConfigError(f"node group '{g.name}': ranks {bad} but --gpus lists only {len(gpus)} device(s)")
+        gpus = resolve_gpus(args.gpus, config.node_groups)
         cache_dir = args.cache_dir
         if args.random_weights:
             cache_dir = cache_dir or str(Path.home() / ".cache" / "mstar" / "random-weights")
@@ -52,9 +61,13 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
                   f"not speech", file=sys.stderr, flush=True)
         opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
-                             envoy=args.envoy, envoy_port=args.envoy_port)
-        return run_forever(Mesh(config, opts))
-    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets) as e:
+                             envoy=args.envoy, envoy_port=args.envoy_port,
+                             download=args.download or settings().download)
+        mesh = Mesh(config, opts)
+        print(placement_line(config.node_groups, gpus, args.gpus), file=sys.stderr, flush=True)
+        return run_forever(mesh)
+    except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets, PortInUse,
+            CheckpointError) as e:
         print(f"mstar: {e}", file=sys.stderr)
         return 2
 

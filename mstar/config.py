@@ -3,6 +3,7 @@ validated against the model. Walks are split into per-node-group fragments here.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,16 +102,27 @@ def load_config(path: str | Path) -> PlacementConfig:
     return parse_config(data, str(path))
 
 
+def _spelling(name: str, known: list[str]) -> str:
+    """"; M* spells it 'llm'" for a name known in another case or spelling (the original M* docs
+    write node names such as LLM), else ""."""
+    low = name.lower().replace("-", "_")
+    same = [k for k in known if k.lower() == low] or [k for k in known if k.startswith(low) or low.startswith(k)]
+    close = same or difflib.get_close_matches(low, known, n=1)
+    return f" (M* spells it '{close[0]}')" if close else ""
+
+
 class Placement:
     """A config checked against its model: who hosts each node of each walk."""
 
     def __init__(self, config: PlacementConfig, model: Model):
         self.config = config
         self.model = model
+        model.max_seq_len = config.max_seq_len  # bounds prompts, sizes KV caches
         self._host: dict[tuple[str, str], str] = {}
         for g in config.node_groups:
             for n in g.node_names:
-                _expect(n in model.node_names, f"node group '{g.name}': unknown node '{n}'. Model '{model.name}' has nodes: {', '.join(model.node_names)}")
+                _expect(n in model.node_names, f"node group '{g.name}': unknown node '{n}'{_spelling(n, model.node_names)}. "
+                                               f"Model '{model.name}' has nodes: {', '.join(model.node_names)}")
             for w in g.graph_walks or ():
                 _expect(w in model.walks, f"node group '{g.name}': unknown walk '{w}' in graph_walks. Walks: {', '.join(model.walks)}")
         for walk, plan in model.plans.items():

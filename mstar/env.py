@@ -20,6 +20,8 @@ class Settings:
     round_budget_s: float
     #: NVTX ranges around node forwards, engine steps and tensor transfers (mstar serve --enable-nvtx)
     nvtx: bool
+    #: the launcher may download checkpoints missing from the local caches (as --download)
+    download: bool
 
 
 @lru_cache(maxsize=1)
@@ -30,14 +32,17 @@ def settings() -> Settings:
         gil_switch_interval_s=_positive("MSTAR_GIL_SWITCH_INTERVAL_S", "0.0005"),
         round_budget_s=_seconds("MSTAR_ROUND_BUDGET_S", "0", allow_zero=True),
         nvtx=_flag("MSTAR_NVTX"),
+        download=_flag("MSTAR_DOWNLOAD"),
     )
 
 
 def _flag(name: str) -> bool:
-    raw = os.environ.get(name, "0").strip().lower()
-    if raw not in ("0", "1", "false", "true", ""):
-        raise ValueError(f"environment variable {name} must be 1 or 0, got {raw!r}")
-    return raw in ("1", "true")
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable {name} must be 1/true/yes or 0/false/no, got {raw!r}")
 
 
 def _positive(name: str, default: str) -> float:

@@ -19,8 +19,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mstar.config import Placement, PlacementConfig
+from mstar.models import hub
 from mstar.models.registry import create_model
-from mstar.ports import free_port
+from mstar.ports import PortInUse, free_port, taken_ports
 
 
 class LaunchError(RuntimeError):
@@ -42,6 +43,7 @@ class LaunchOptions:
     startup_timeout_s: float = 120.0
     envoy: bool = False  # also run the xDS control plane and an Envoy front proxy
     envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
+    download: bool = False  # fetch checkpoints missing from the local caches (mstar.models.hub)
 
 
 @dataclass
@@ -62,7 +64,9 @@ class Mesh:
         self.config, self.opts = config, opts
         model = create_model(config.model, config.model_kwargs, opts.cache_dir)
         Placement(config, model)  # fail fast on a bad config...
-        model.check_assets()  # ...or missing weights, with a message saying where to put them
+        # ...or missing checkpoints (downloaded here when allowed), naming each and how to fetch it
+        hub.ensure(model.checkpoints(), opts.cache_dir, download=opts.download, model=config.model)
+        model.check_assets()  # ...or incomplete ones, with a message saying where to put them
         self.shm_prefix = f"mstar-{os.getpid()}-"
         h = opts.host
         groups = {g.name: f"{h}:{free_port(h)}" for g in config.node_groups}
@@ -103,8 +107,31 @@ class Mesh:
                 s.argv += ["--metrics-port", str(s.metrics_port)]
 
     # -- start ---------------------------------------------------------------------------
+    def ports(self) -> dict[str, int]:
+        """Every port this mesh's services will listen on, by who binds it (0: the service
+        picks a free one itself)."""
+        flags = {"conductor": "--grpc-port", "gateway": "--port", "envoy": "--envoy-port"}
+        out = {}
+        for s in self.services:
+            what = f"{s.kind} '{s.name}'" if s.kind == "node_group" else s.name
+            flag = flags.get(s.kind)
+            out[f"{what} ({flag})" if flag else what] = int(s.address.rsplit(":", 1)[1])
+            if s.metrics_port is not None:
+                out[f"{what} metrics"] = s.metrics_port
+        return out
+
+    def check_ports(self) -> None:
+        """Raise PortInUse naming every port of this mesh that another socket holds (an M* mesh
+        already running, another program): nothing has started yet."""
+        taken = taken_ports(self.opts.host, self.ports())
+        if taken:
+            raise PortInUse(f"cannot start: {len(taken)} port(s) in use: {'; '.join(taken)}. Is another `mstar serve` "
+                            f"running? Stop it, or pass other ports (--port, --grpc-port, --envoy-port; 0 picks a "
+                            f"free one)")
+
     def start(self) -> None:
         env = {**os.environ, "MSTAR_SHM_PREFIX": self.shm_prefix}
+        self.check_ports()
         try:
             for kind in ("node_group", "conductor", "gateway", "xds", "envoy"):
                 batch = [s for s in self.services if s.kind == kind]

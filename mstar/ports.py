@@ -31,3 +31,27 @@ def free_port(host: str) -> int:
         _TAKEN_PORTS.add(port)
         return port
     raise RuntimeError(f"no free port on {host} in [{first}, {low})")
+
+
+class PortInUse(OSError):
+    """A port a service must listen on is held by another socket; the message names it and
+    says what to change."""
+
+
+def taken_ports(host: str, ports: dict[str, int]) -> list[str]:
+    """The entries of ``ports`` (what binds it -> port; 0 = any free port, skipped) that cannot
+    be bound on ``host`` now, each as "what (host:port): why". The probe socket sets
+    SO_REUSEADDR as every server here does (grpc, aiohttp), so a port left in TIME_WAIT by a
+    mesh that just stopped is free, and a port another process listens on is taken whether or
+    not that process set SO_REUSEPORT."""
+    taken = []
+    for what, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                taken.append(f"{what} ({host}:{port}): {e.strerror or e}")
+    return taken

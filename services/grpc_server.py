@@ -9,7 +9,13 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mstar.ports import PortInUse
 from mstar.services.links import SERVER_OPTIONS
+
+#: grpc sets SO_REUSEPORT by default: a second server on a taken port then binds silently and
+#: the kernel splits connections between the two (two conductors on 50051, each mesh's node
+#: groups joining the other's conductor). Every M* server refuses to share its port.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 
 
 class ServerBase:
@@ -17,14 +23,18 @@ class ServerBase:
     grpc.health.v1 (NOT_SERVING until ``set_serving``) and server reflection."""
 
     def __init__(self, address: str, service_names: list[str]):
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=[*SERVER_OPTIONS, EXCLUSIVE_PORT])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc: "Failed to bind to address ..."
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {address}")
+            raise PortInUse(f"cannot listen on {address}: the port is in use (another M* mesh or another program "
+                            f"holds it); stop that process or pick another port")
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -41,5 +51,10 @@ class ServerBase:
 
 def run_service(main) -> None:
     """Run a service's main coroutine on uvloop (about 25% less CPU per gRPC message
-    than the default loop on our benchmarks)."""
-    uvloop.run(main)
+    than the default loop on our benchmarks). A port that cannot be bound ends the process
+    with one line naming it (exit code 2), not a traceback."""
+    try:
+        uvloop.run(main)
+    except PortInUse as e:
+        logging.getLogger(__name__).error("%s", e)  # the service's log line names the service
+        raise SystemExit(2) from None

@@ -16,10 +16,10 @@ from mstar.models.registry import register
 from mstar.services.engines.kv_engine import StepFailed
 from mstar.services.engines.seq_engine import SeqOutput
 from mstar.services.engines.sequence import SeqStatus
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, run, wait_released
+from inprocess import inprocess_mesh
 
 ENGINES: list["CountingEngine"] = []
 

@@ -23,10 +23,10 @@ from mstar.models.graph import (
 )
 from mstar.models.registry import register
 from mstar.services.transport import Protocol
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import Fn, TensorModel, collect, run, wait_released
+from inprocess import inprocess_mesh
 
 
 def a_fn(c):

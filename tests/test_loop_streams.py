@@ -21,9 +21,9 @@ from mstar.models.graph import (
 )
 from mstar.models.plan import plan_walk
 from mstar.models.toy.model import ECHO_AHEAD
-from mstar.testing import inprocess_mesh
 
 from helpers import cancel_and_drain, request, rot13, run, wait_released
+from inprocess import inprocess_mesh
 
 TEXT = "Streams, into running loops!"  # 28 bytes: 14 chunks of 2
 

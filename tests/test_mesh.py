@@ -10,10 +10,10 @@ from grpc_status import rpc_status
 
 from mstar.env import settings
 from mstar.services.transport import Protocol
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, request, rot13, run, text_of, wait_released
+from inprocess import inprocess_mesh
 
 PROMPT = "Hello, World. How are you?"
 
@@ -216,27 +216,49 @@ def test_a_request_id_can_be_reused_once_the_request_ended(toy_config):
 
 
 def test_back_to_back_rounds_share_messages_within_the_round_budget(toy_config):
-    """The decoder's loop runs its iterations in back-to-back rounds. Yielding after every round
-    (a budget of 0) lets the link writer send as the loop goes (23-44 messages for the 92 frames
-    here); with a budget longer than the loop the rounds do not yield, and their frames leave
-    together (1). Either way the output is the same."""
+    """The decoder's loop runs its iterations in back-to-back rounds. With a budget of 0 each
+    round yields to the event loop (arriving frames get in, link writers send); with a budget
+    longer than the loop the rounds do not yield, and the loop's frames leave together (<= 3
+    messages). Either way the output is the same.
+
+    Whether the rounds yielded is observed by a probe task that records the decoder group's
+    step count each time it runs: it runs between every two rounds that yield and never
+    inside rounds that do not. That holds however loaded the machine is (one event loop, no
+    clock involved); how many messages a budget of 0 makes is not asserted: it depends on how
+    long each grpc write takes (under load a write can span most of the loop)."""
     from mstar import metrics
 
     prompt = "The quick brown fox jumps over the lazy dog. " * 2  # 90 loop iterations
 
+    async def probe(runtime, seen: set, stop: asyncio.Event):
+        while not stop.is_set():
+            seen.add(runtime.steps)
+            await asyncio.sleep(0)
+
     async def go():
-        sent = {}
+        sent, seen = {}, {}
         async with inprocess_mesh(toy_config()) as mesh:
             await collect(mesh.stub, request("warm"))
+            runtime = mesh.runtime("decoder")
             for budget_s in (0.0, 30.0):
-                mesh.runtime("decoder").round_budget_s = budget_s
+                runtime.round_budget_s = budget_s
                 before = list(metrics.link_counts("decoder", "conductor"))
+                seen[budget_s], stop = set(), asyncio.Event()
+                task = asyncio.create_task(probe(runtime, seen[budget_s], stop))
+                steps_before = runtime.steps
                 out, final = await collect(mesh.stub, request(prompt))
+                stop.set()
+                await task
                 check_toy(out, final, prompt)
                 after = metrics.link_counts("decoder", "conductor")
                 sent[budget_s] = [a - b for a, b in zip(after, before, strict=True)]  # [messages, frames]
-        return sent
+                seen[budget_s] = {s - steps_before for s in seen[budget_s]}
+        return sent, seen
 
-    sent = run(go())
+    sent, seen = run(go())
     assert sent[0.0][1] >= 90 and sent[30.0][1] >= 90, sent  # a text frame per iteration, and the walk's end
-    assert sent[30.0][0] <= 3 and sent[0.0][0] >= 10, sent
+    # budget 0: the probe ran between the loop's rounds (at least one step count per iteration)
+    assert len([s for s in seen[0.0] if 0 < s < 90]) >= 80, sorted(seen[0.0])
+    # a budget longer than the loop: no yield inside it (the probe saw its step count only around it)
+    assert len(seen[30.0]) <= 6, sorted(seen[30.0])
+    assert sent[30.0][0] <= 3, sent

@@ -24,10 +24,10 @@ from mstar.models.graph import (
     Walk,
 )
 from mstar.models.registry import register
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import Fn, TensorModel, collect, run, wait_released
+from inprocess import inprocess_mesh
 
 
 class Buggy(TensorModel):

@@ -9,9 +9,9 @@ from test_engine_node import CFG as COUNTER
 from test_engine_node import req as counter_request
 
 from mstar import nvtx
-from mstar.testing import inprocess_mesh
 
 from helpers import collect, request, run, wait_released
+from inprocess import inprocess_mesh
 
 
 class Recorder:

@@ -12,11 +12,11 @@ from mstar.models.registry import create_model
 from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.node_group.server import NodeGroupServer
 from mstar.services.transport import Protocol
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
 from helpers import collect, request, rot13, run, text_of, wait_released
+from inprocess import inprocess_mesh
 
 
 def test_pick_spreads_by_load_then_least_recent():

@@ -59,9 +59,8 @@ def test_local_hand_over_is_the_object_and_leaks_nothing():
 def test_in_process_mesh_hands_tensors_over(toy_config):
     from prometheus_client import REGISTRY
 
-    from mstar.testing import inprocess_mesh
-
     from helpers import collect, request, rot13, run, text_of
+    from inprocess import inprocess_mesh
 
     def handed(kind):
         return sum(s.value for f in REGISTRY.collect() if f.name == "mstar_edge_tensors" for s in f.samples

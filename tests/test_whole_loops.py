@@ -16,10 +16,10 @@ from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Loop
 from mstar.models.registry import register
 from mstar.services.node_group.runtime import NodeGroupRuntime
 from mstar.services.transport import Protocol
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, run
+from inprocess import inprocess_mesh
 
 STEPS, DIM = 10, 6
 W = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(0)) / DIM**0.5

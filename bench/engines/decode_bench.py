@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="2 small layers on CPU: a smoke run of this script")
     ap.add_argument("--hf-order", default="16,64,1,8,32", help="baseline batches, most wanted first")
     ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds; skip baseline runs past it")
-    ap.add_argument("--kernels", default="auto", help="EngineConfig.kernels: auto | torch | flashinfer | compile")
+    ap.add_argument("--kernels", default="auto", help="EngineConfig.kernels: auto | torch | flashinfer")
     ap.add_argument("--graph-attention", default="auto", help="EngineConfig.graph_attention: auto | flashinfer | triton")
     ap.add_argument("--compare-graph-attention", default="",
                     help="also run a second engine with this graph_attention at --compare-batches (same run)")

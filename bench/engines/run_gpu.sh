@@ -18,9 +18,9 @@ OUT=${1:?OUTDIR}; STAGES=",${2:-jit,parity,gemm,tests,profile,bench},"
 T0=$(date +%s)
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .fi/flashinfer-site.tar.xz
 mkdir -p ~/.cache && if [ -f .fi/fi-jit-cache.tgz ]; then tar -C ~/.cache -xzf .fi/fi-jit-cache.tgz; fi
-mkdir -p /tmp/pkg/mstar && for f in mstar/*; do ln -sfn "$PWD/$f" /tmp/pkg/mstar/; done
-for d in services models conductor gateway; do ln -sfn "$PWD/$d" /tmp/pkg/mstar/$d; done
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+# the checkout itself is the package (mstar/__init__.py maps services/, models/, conductor/, gateway/ into
+# it, as pyproject.toml's package-dir does when installed): no install step, no symlinked tree
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 has() { [[ $STAGES == *",$1,"* ]]; }
@@ -36,7 +36,7 @@ if has gemm; then stamp gemm; python bench/engines/step_profile.py --parts gemm 
 if has jit; then wait; stamp "jit done"; tail -n 3 /tmp/jit_*.log; fi
 if has tests; then
   stamp tests
-  # from tests/engines: at the root, `import mstar` would find ./mstar rather than the package tree above
+  # from tests/engines, as before (the checkout on PYTHONPATH serves the package either way)
   (cd tests/engines && python -m pytest . -m gpu -q -o addopts="" -p no:cacheprovider 2>&1) \
     | tee "$OUT/pytest_gpu.txt" | tail -n 15
 fi

@@ -23,9 +23,9 @@ mkdir -p /tmp/site && tar -C /tmp/site -xJf .fi/flashinfer-site.tar.xz
 mkdir -p ~/.cache && if [ -f .fi/fi-jit-cache.tgz ]; then tar -C ~/.cache -xzf .fi/fi-jit-cache.tgz; fi
 mkdir -p /tmp/wh && for w in .wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/wh; done
 chmod +x /tmp/wh/py_spy-*.data/scripts/py-spy; export PATH=$PATH:$(echo /tmp/wh/py_spy-*.data/scripts)
-mkdir -p /tmp/pkg/mstar && for f in mstar/*; do ln -sfn "$PWD/$f" /tmp/pkg/mstar/; done
-for d in services models conductor gateway; do ln -sfn "$PWD/$d" /tmp/pkg/mstar/$d; done
-export PYTHONPATH=/tmp/pkg:/tmp/wh:/tmp/site PYTHONUNBUFFERED=1
+# the checkout itself is the package (mstar/__init__.py maps services/, models/, conductor/, gateway/ into
+# it, as pyproject.toml's package-dir does when installed): no install step, no symlinked tree
+export PYTHONPATH=$PWD:/tmp/wh:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 save_jit() { tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null; }  # after each stage: a cut-off call keeps it

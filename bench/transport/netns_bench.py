@@ -1,5 +1,5 @@
 """GB/s between two node-group services on two "hosts" (network namespaces joined by a
-veth pair, mstar.twohosts): inline bytes in gRPC frames vs Mooncake over TCP, 64 KiB to
+veth pair, tests/netns/twohosts.py): inline bytes in gRPC frames vs Mooncake over TCP, 64 KiB to
 256 MiB, measured from the tensor leaving node group 'front' to it arriving in 'back'
 (the toy model's relay walk). Needs root.
 
@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "netns"))  # the two-host harness is a test helper, not in the package
 
 from mstar.services.transport import mooncake  # noqa: E402
-from mstar.twohosts import TwoHosts  # noqa: E402
+
+from twohosts import TwoHosts  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 

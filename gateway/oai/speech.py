@@ -3,11 +3,15 @@ model with an audio output (PCM16 mono chunks, each with its sample rate).
 
 - ``input`` is the prompt text; ``voice`` goes to the model as ``model_kwargs.voice`` (left
   out when absent, null or ``"default"``; a model without voices refuses any other: a 400
-  naming ``voice``); ``model_kwargs`` (M*'s extension) adds model-specific knobs.
-- ``response_format``: ``wav`` (default; the whole file, exact header) or ``pcm`` (raw PCM16
-  little-endian mono; the rate is in ``X-Sample-Rate-Hz``). mp3/opus/aac/flac are a 400.
-- ``stream_format``: ``audio`` (default; with ``pcm`` the bytes stream as the model makes
-  them, and an error after the first byte cuts the connection) or ``sse``
+  naming ``voice``); the sampling knobs ``temperature``, ``top_p``, ``seed`` and
+  ``max_tokens`` (M*'s extensions, as on chat completions) go to the model under the same
+  names; ``model_kwargs`` (M*'s extension) adds model-specific knobs.
+- ``response_format``: ``wav`` (default) or ``pcm`` (raw PCM16 little-endian mono; the rate is
+  in ``X-Sample-Rate-Hz``). mp3/opus/aac/flac are a 400.
+- ``stream_format``: ``audio`` (default: the bytes stream as the model makes them, the first ones
+  with the first audio chunk; ``wav`` starts with a streaming header whose RIFF and data sizes are
+  0xFFFFFFFF, "unknown", as streaming TTS servers send it; an error after the first byte cuts the
+  connection, so the body is visibly incomplete) or ``sse``
   (``speech.audio.delta`` events with base64 PCM16, then ``speech.audio.done`` with usage;
   needs ``response_format: pcm``).
 """
@@ -16,15 +20,15 @@ from __future__ import annotations
 
 import base64
 import logging
+import struct
 
 from aiohttp import web
 
-from mstar.client.types import pcm16_wav
 from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request
 from mstar.gateway.generate import SETTINGS
 from mstar.gateway.oai.call import conductor_call, error_event, openai_route, served_output, sse, to_api_error
-from mstar.gateway.oai.params import NUMBER, STRING, Known, Params, exactly
+from mstar.gateway.oai.params import INTEGER, NUMBER, STRING, Known, Params, exactly
 
 log = logging.getLogger("mstar.gateway")
 ROUTE = "/v1/audio/speech"
@@ -32,6 +36,8 @@ KNOWN: dict[str, Known] = {
     "speed": (lambda v: NUMBER[1](v) and v == 1, "M* speaks at the model's own pace; leave speed out or send 1.0"),
     "instructions": (exactly(""), "M* models take no speaking instructions"),
 }
+#: sampling knobs taken at top level, passed to the model as model_kwargs of the same name
+KNOBS = {"temperature": NUMBER, "top_p": NUMBER, "seed": INTEGER, "max_tokens": INTEGER}
 MIME = {"wav": "audio/wav", "pcm": "audio/pcm"}
 
 
@@ -43,6 +49,8 @@ def _parse(body: dict) -> tuple[Params, str, str, str, str]:
     if voice is not None and voice != "default":
         p.model_kwargs["voice"] = voice
         p.param_of["voice"] = "voice"
+    for name, kind in KNOBS.items():
+        p.knob(name, kind)
     fmt = p.string("response_format", choices=("wav", "pcm"), default="wav")
     stream_format = p.string("stream_format", choices=("audio", "sse"), default="audio")
     if stream_format == "sse" and fmt != "pcm":
@@ -76,22 +84,23 @@ async def speech(request: web.Request) -> web.StreamResponse:
             raise ApiError(500, "conductor ended the stream without a final event", code="INTERNAL")
         if stream_format == "sse":
             return await _sse(request, call, first, output)
-        if fmt == "pcm":
-            return await _pcm(request, call, first, model, output)
-        pcm, rate = bytearray(), None
-        async for msg in call.following(first):
-            for c in msg.chunks:
-                if c.name == output:
-                    rate = _rate(c, rate)
-                    pcm += c.data
-        if rate is None:
-            raise _no_audio(model, output)
-        return web.Response(body=pcm16_wav(bytes(pcm), rate), content_type=MIME["wav"],
-                            headers={"X-Request-Id": first.request_id, "X-Sample-Rate-Hz": str(rate)})
+        return await _audio(request, call, first, model, output, fmt)
 
 
-async def _pcm(request: web.Request, call, first, model: str, output: str) -> web.StreamResponse:
-    """Raw PCM16 as it comes; headers wait for the first audio chunk (they carry its rate)."""
+#: a WAV file's length when it is not known yet (RIFF and data chunk sizes): readers play to the end
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def streaming_wav_header(sample_rate_hz: int) -> bytes:
+    """The 44-byte header of a mono PCM16 WAV whose length is unknown."""
+    return (b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVEfmt "
+            + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate_hz, sample_rate_hz * 2, 2, 16)
+            + b"data" + struct.pack("<I", UNKNOWN_SIZE))
+
+
+async def _audio(request: web.Request, call, first, model: str, output: str, fmt: str) -> web.StreamResponse:
+    """PCM16 as it comes (``wav``: behind a streaming header); headers wait for the first audio
+    chunk (they carry its rate)."""
     resp, rate = None, None
     try:
         async for msg in call.following(first):
@@ -103,8 +112,10 @@ async def _pcm(request: web.Request, call, first, model: str, output: str) -> we
             if resp is None and rate is not None:
                 resp = web.StreamResponse(headers={"X-Request-Id": first.request_id, "X-Sample-Rate-Hz": str(rate),
                                                    "Cache-Control": "no-cache"})
-                resp.content_type = MIME["pcm"]
+                resp.content_type = MIME[fmt]
                 await resp.prepare(request)
+                if fmt == "wav":
+                    data[:0] = streaming_wav_header(rate)
             if resp is not None and data:
                 await resp.write(bytes(data))
         if resp is None:

@@ -1,11 +1,7 @@
-"""Find and validate local checkpoints. Never downloads.
-
-A checkpoint is named by a local directory or a Hugging Face model id. A model id is looked up
-under `cache_dir` (default `~/.cache/huggingface/hub`) as the HF hub cache lays it out,
-`models--{org}--{name}/snapshots/{commit}/` with `refs/{revision}` holding the commit, or as a
-plain `{cache_dir}/{org}/{name}/` directory. LLM directories hold `config.json`, weights as
-`model.safetensors` or shards listed in `model.safetensors.index.json`, and `tokenizer.json`.
-Every error names the file, and the tensor where there is one.
+"""Validate and read local checkpoints (found by ``mstar.models.hub``, which also says where
+repo ids are looked up). LLM directories hold `config.json`, weights as `model.safetensors` or
+shards listed in `model.safetensors.index.json`, and `tokenizer.json`. Every error names the
+file, and the tensor where there is one.
 """
 
 from __future__ import annotations
@@ -18,54 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mstar.models.hub import CheckpointError
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "huggingface" / "hub"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete or does not match its config."""
-
-
-def resolve_checkpoint(model: str | Path, *, cache_dir: str | Path | None = None, revision: str = "main") -> Path:
-    """Directory of `model`: itself if it is a directory, else its snapshot in `cache_dir`."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    model = str(model)
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else DEFAULT_CACHE_DIR
-    looked: list[str] = []
-    if model.count("/") == 1:
-        org, name = model.split("/")
-        repo = cache / f"models--{org}--{name}"
-        if repo.is_dir():
-            return _snapshot(repo, revision)
-        looked.append(str(repo))
-        plain = cache / org / name
-        if plain.is_dir():
-            return plain
-        looked.append(str(plain))
-    raise CheckpointError(
-        f"Checkpoint {model!r} not found: not a directory, nor in {', '.join(looked) or cache}. "
-        f"Nothing is downloaded; fetch it first, e.g. `hf download {model} --cache-dir {cache}`"
-    )
-
-
-def _snapshot(repo: Path, revision: str) -> Path:
-    ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    snapshot = repo / "snapshots" / commit
-    if snapshot.is_dir():
-        return snapshot
-    have = sorted(p.name for p in (repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
-    raise CheckpointError(
-        f"{repo}: no snapshot for revision {revision!r} (looked for {ref} and {snapshot}); "
-        f"snapshots present: {have or 'none'}"
-    )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -94,8 +50,6 @@ class CheckpointFiles:
 
 def open_checkpoint(directory: str | Path, *, require_tokenizer: bool = True) -> CheckpointFiles:
     """Read `config.json` and the weight layout (single file or sharded index) of a directory."""
-    from safetensors import safe_open
-
     directory = Path(directory)
     config = read_json(directory / "config.json")
     index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
@@ -111,18 +65,26 @@ def open_checkpoint(directory: str | Path, *, require_tokenizer: bool = True) ->
     for shard in sorted(set(weight_map.values())):
         if not shard.is_file():
             raise CheckpointError(f"{index_path}: lists shard {shard.name} but {shard} is missing")
-        with safe_open(shard, "pt") as f:
-            present = set(f.keys())
+        present = _tensor_names(shard)
         absent = sorted(n for n, s in weight_map.items() if s == shard and n not in present)
         if absent:
             raise CheckpointError(f"{shard}: missing tensor {absent[0]!r} (listed in {INDEX_FILE})")
     if not weight_map:
-        with safe_open(single, "pt") as f:
-            weight_map = dict.fromkeys(f.keys(), single)
+        weight_map = dict.fromkeys(_tensor_names(single), single)
     tokenizer = directory / TOKENIZER_FILE
     if require_tokenizer and not tokenizer.is_file():
         raise CheckpointError(f"missing file {tokenizer}")
     return CheckpointFiles(directory, config, weight_map, tokenizer if tokenizer.is_file() else None)
+
+
+def _tensor_names(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return set(f.keys())
+    except Exception as exc:  # safetensors raises its own error type on a truncated or foreign file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); download it again") from None
 
 
 def tensor_shapes(files: CheckpointFiles) -> dict[str, tuple[int, ...]]:

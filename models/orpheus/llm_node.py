@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mstar.models.base import EngineNode, NodeCall, NodeContext
+from mstar.models.orpheus.knobs import OrpheusConfig
 from mstar.models.orpheus.tokens import (
     AUDIO_TOKEN_OFFSET,
     CODES_PER_POSITION,
@@ -67,38 +68,35 @@ def union_ranges(cycle) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in out)
 
 
-def engine_config(ctx: NodeContext) -> EngineConfig:
-    kw = ctx.model_kwargs
+def engine_config(ctx: NodeContext, max_seq_len: int | None = None) -> EngineConfig:
+    """The KV-cache engine's settings from the YAML's model_kwargs (``OrpheusConfig``)."""
+    kw = OrpheusConfig.parse(ctx.model_kwargs)
     cpu = not ctx.device.startswith("cuda")
     return EngineConfig(
         # logits only for the SNAC codes and end-of-speech (29k of 157k ids) while sampling is
         # constrained to them
-        head_ranges=union_ranges(CODE_CYCLE) if kw.get("constrain_codes", True) else (),
-        page_size=int(kw.get("page_size", 16)),
-        kv_cache_bytes=kw.get("kv_cache_bytes", 256 << 20 if cpu else None),
-        gpu_memory_fraction=float(kw.get("gpu_memory_fraction", 0.85)),
-        max_num_seqs=int(kw.get("max_num_seqs", 128)),
-        max_num_batched_tokens=int(kw.get("max_num_batched_tokens", 4096)),
-        cuda_graphs=bool(kw.get("cuda_graphs", True)),
-        graph_attention=str(kw.get("graph_attention", "auto")),
-        fused_sampler=str(kw.get("fused_sampler", "auto")),
-        fused_norms=str(kw.get("fused_norms", "auto")),
-        down_gemm=str(kw.get("down_gemm", "auto")),
-        proj_gemm=str(kw.get("proj_gemm", "auto")),
-        pdl=str(kw.get("pdl", "auto")),
+        head_ranges=union_ranges(CODE_CYCLE) if kw.constrain_codes else (),
+        page_size=kw.page_size,
+        kv_cache_bytes=kw.kv_cache_bytes if kw.kv_cache_bytes is not None else (256 << 20 if cpu else None),
+        gpu_memory_fraction=kw.gpu_memory_fraction,
+        max_num_seqs=kw.max_num_seqs,
+        max_num_batched_tokens=kw.max_num_batched_tokens,
+        max_seq_len=max_seq_len,
+        cuda_graphs=kw.cuda_graphs,
+        graph_attention=kw.graph_attention,
+        fused_sampler=kw.fused_sampler,
+        fused_norms=kw.fused_norms,
+        down_gemm=kw.down_gemm,
+        proj_gemm=kw.proj_gemm,
+        pdl=kw.pdl,
     )
-
-
-ENGINE_PROCESS = ("auto", True, False)
 
 
 def use_engine_process(ctx: NodeContext) -> bool:
     """``model_kwargs.engine_process``: True runs the KV-cache engine in a child process
     (no GIL shared with the service's event loop); "auto" (default) does so on CUDA without
     tensor parallelism, where the engine's host work is the bottleneck."""
-    v = ctx.model_kwargs.get("engine_process", "auto")
-    if v not in ENGINE_PROCESS:
-        raise ValueError(f"model_kwargs.engine_process must be true, false or \"auto\", got {v!r}")
+    v = OrpheusConfig.parse(ctx.model_kwargs).engine_process
     if v == "auto":
         return ctx.device.startswith("cuda") and ctx.tp is None
     if v and ctx.tp is not None:
@@ -118,8 +116,8 @@ def build_engine(checkpoint: Path, device: str, config: EngineConfig, tp=None) -
 
 
 class OrpheusLLM(EngineNode):
-    def __init__(self, checkpoint: Path, ctx: NodeContext):
-        config = engine_config(ctx)
+    def __init__(self, checkpoint: Path, ctx: NodeContext, max_seq_len: int | None = None):
+        config = engine_config(ctx, max_seq_len)
         if use_engine_process(ctx):
             self.engine: LocalSeqEngine | EngineProcess = EngineProcess(ctx.node, build_engine, (checkpoint, ctx.device, config))
             where = f"engine process pid {self.engine.proc.pid}"
@@ -127,7 +125,7 @@ class OrpheusLLM(EngineNode):
             tp = self.tensor_parallel = TensorParallel(ctx.tp, ctx.device) if ctx.tp is not None else None
             self.engine = LocalSeqEngine(build_engine(checkpoint, ctx.device, config, tp))
             where = "in process"
-        self.cycle = CODE_CYCLE if ctx.model_kwargs.get("constrain_codes", True) else ()
+        self.cycle = CODE_CYCLE if OrpheusConfig.parse(ctx.model_kwargs).constrain_codes else ()
         # prefill here, decode in another node group: the sequence's K/V leave with its first token
         self.hands_off = "prefill" in ctx.walks and "decode" not in ctx.walks
         log.info("orpheus llm loaded from %s on %s (%s%s)", checkpoint, ctx.device, where,

@@ -44,36 +44,33 @@ from mstar.models.graph import (
     StreamingGraphEdge,
     Walk,
 )
+from mstar.models.hub import CheckpointError, CheckpointSpec, resolve_checkpoint
+from mstar.models.knobs import KnobError
 from mstar.models.orpheus.checkpoint import (
-    CheckpointError,
+    INDEX_FILE,
+    SINGLE_FILE,
+    TOKENIZER_FILE,
     load_tokenizer,
     open_checkpoint,
-    resolve_checkpoint,
 )
-from mstar.models.orpheus.tokens import FINISH_STOP, VOICES, build_prompt_ids, window_plan
+from mstar.models.orpheus.knobs import MAX_DECODE_ITERS, OrpheusConfig, OrpheusRequest
+from mstar.models.orpheus.snac_weights import WEIGHT_FILE as SNAC_WEIGHT_FILE
+from mstar.models.orpheus.tokens import FINISH_STOP, build_prompt_ids, window_plan
 
 SAMPLE_RATE = 24_000
-DEFAULT_LLM = "canopylabs/orpheus-3b-0.1-ft"
-DEFAULT_SNAC = "hubertsiuzdak/snac_24khz"
-MAX_DECODE_ITERS = 8192
-WEIGHTS_HELP = ("put the Hugging Face snapshots in --cache-dir (HF cache layout models--org--name/snapshots/..., "
-                "or plain <cache-dir>/org/name directories), or serve with --random-weights for a tiny random demo "
-                "checkpoint")
-
-# per-request knobs: name -> (type check, range check, default, description)
-_KNOBS: dict[str, tuple[Any, Any, Any, str]] = {
-    "temperature": ((int, float), lambda v: 0 <= v <= 2, 0.6, "a number in [0, 2]"),
-    "top_p": ((int, float), lambda v: 0 < v <= 1, 0.8, "a number in (0, 1]"),
-    "repetition_penalty": ((int, float), lambda v: 1 <= v <= 2, 1.3, "a number in [1, 2]"),
-    "max_tokens": (int, lambda v: 1 <= v <= MAX_DECODE_ITERS, 1200, f"an integer in [1, {MAX_DECODE_ITERS}]"),
-    "seed": (int, lambda v: 0 <= v < 2**63, None, "a non-negative integer"),
-    "voice": (str, lambda v: v in VOICES, "tara", f"one of {', '.join(VOICES)}"),
-}
-
+WEIGHTS_HELP = ("put the Hugging Face snapshots in the HF cache or --cache-dir (layout models--org--name/snapshots/..., "
+                "or plain <cache-dir>/org/name directories), serve with --download to fetch them, or with "
+                "--random-weights for a tiny random demo checkpoint")
 
 class OrpheusModel(Model):
     name = "orpheus"
     nodes = (GraphNode("llm", EngineType.KV_CACHE), GraphNode("snac_decoder"))
+    config_schema = OrpheusConfig
+    request_schema = OrpheusRequest
+
+    def __init__(self, model_kwargs: dict[str, Any] | None = None, cache_dir: str | None = None):
+        self.config = OrpheusConfig.parse(model_kwargs, model=self.name)  # before the walks, which read it
+        super().__init__(model_kwargs, cache_dir)
 
     def build_walks(self) -> list[Walk]:
         plan = window_plan(self.model_kwargs)
@@ -102,10 +99,15 @@ class OrpheusModel(Model):
         ]
 
     # -- assets --------------------------------------------------------------------------
+    def checkpoints(self) -> list[CheckpointSpec]:
+        return [CheckpointSpec(self.config.llm, required=("config.json", TOKENIZER_FILE, (INDEX_FILE, SINGLE_FILE)),
+                               allow_patterns=("*.json", "*.safetensors")),
+                CheckpointSpec(self.config.snac, required=("config.json", SNAC_WEIGHT_FILE),
+                               allow_patterns=("config.json", SNAC_WEIGHT_FILE))]
+
     def checkpoint_dirs(self):
-        kw = self.model_kwargs
-        return (resolve_checkpoint(kw.get("llm", DEFAULT_LLM), cache_dir=self.cache_dir),
-                resolve_checkpoint(kw.get("snac", DEFAULT_SNAC), cache_dir=self.cache_dir))
+        return (resolve_checkpoint(self.config.llm, cache_dir=self.cache_dir),
+                resolve_checkpoint(self.config.snac, cache_dir=self.cache_dir))
 
     def check_assets(self) -> None:
         try:
@@ -120,8 +122,8 @@ class OrpheusModel(Model):
         from mstar.models.orpheus.demo_checkpoint import DemoSpec, write_random_llm, write_random_snac
 
         spec, root, written = DemoSpec(), Path(directory), []
-        llm = root / self.model_kwargs.get("llm", DEFAULT_LLM)
-        snac = root / self.model_kwargs.get("snac", DEFAULT_SNAC)
+        llm = root / self.config.llm
+        snac = root / self.config.snac
         if not (llm / "config.json").exists():
             write_random_llm(llm, spec)
             written.append(str(llm))
@@ -136,17 +138,10 @@ class OrpheusModel(Model):
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            if key not in _KNOBS:
-                raise InvalidArgument(f"model_kwargs.{key}", f"unknown key; allowed: {', '.join(sorted(_KNOBS))}")
-            types, ok, _, what = _KNOBS[key]
-            if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
-                raise InvalidArgument(f"model_kwargs.{key}", f"must be {what}, got {value!r}")
-            out[key] = value
-        for key, (_, _, default, _) in _KNOBS.items():
-            out.setdefault(key, default)
-        return out
+        try:
+            return OrpheusRequest.parse(kwargs, model=self.name, sep=": ").given()
+        except KnobError as e:
+            raise InvalidArgument(e.key, e.description) from None
 
     def process_prompt(self, prompt: Prompt) -> RequestState:
         if not prompt.text.strip():
@@ -155,10 +150,10 @@ class OrpheusModel(Model):
             self.prepare_conductor()
         encode = lambda s: self._tokenizer.encode(s).ids  # noqa: E731
         ids = build_prompt_ids(encode, prompt.text, prompt.kwargs["voice"])
-        limit = int(self.model_kwargs.get("max_seq_len", 4096)) - prompt.kwargs["max_tokens"]
+        limit = self.max_seq_len - prompt.kwargs["max_tokens"]  # the placement YAML's max_seq_len
         if len(ids) > limit:
             raise InvalidArgument("text", f"prompt is {len(ids)} tokens; with max_tokens={prompt.kwargs['max_tokens']} "
-                                          f"at most {limit} fit")
+                                          f"at most {limit} fit in max_seq_len={self.max_seq_len}")
         state = RequestState(prompt, prompt_tokens=len(ids))
         state.data["prompt_ids"] = torch.tensor(ids, dtype=torch.int64)
         return state
@@ -189,7 +184,7 @@ class OrpheusModel(Model):
         if ctx.node == "llm":
             from mstar.models.orpheus.llm_node import OrpheusLLM
 
-            return OrpheusLLM(llm, ctx)
+            return OrpheusLLM(llm, ctx, max_seq_len=self.max_seq_len)
         from mstar.models.orpheus.snac_node import SnacNode
 
         return SnacNode(snac, ctx)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mstar.models.base import NodeCall, NodeContext, NodeSubmodule
+from mstar.models.orpheus.knobs import OrpheusConfig
 from mstar.models.orpheus.snac import load_snac_decoder
 from mstar.models.orpheus.tokens import RIGHT_CONTEXT_FRAMES, TOKENS_PER_FRAME, snac_codes, window_plan
 from mstar.services.engines.stateless import StatelessEngine
@@ -37,9 +38,7 @@ def snac_kernels(model_kwargs: dict, device: str) -> str:
     imports; asking for triton where it does not import raises."""
     from mstar.services.engines.cuda_graphs import triton_unavailable_reason
 
-    name = model_kwargs.get("snac_kernels", "auto")
-    if name not in SNAC_KERNELS:
-        raise ValueError(f"model_kwargs.snac_kernels must be one of {', '.join(SNAC_KERNELS)}, got {name!r}")
+    name = OrpheusConfig.parse(model_kwargs).snac_kernels
     if name == "torch" or (name == "auto" and not device.startswith("cuda")):
         return "torch"
     why = triton_unavailable_reason()
@@ -66,10 +65,8 @@ class SnacNode(NodeSubmodule):
         self.device = ctx.device
         # snac_dtype: the reference decodes in float32 (the default); bfloat16 / float16 halve the
         # codec's GPU time at a small cost in sample accuracy
-        name = str(ctx.model_kwargs.get("snac_dtype", "float32"))
-        if name not in SNAC_DTYPES:
-            raise ValueError(f"model_kwargs.snac_dtype must be one of {', '.join(SNAC_DTYPES)}, got {name!r}")
-        self.decoder = load_snac_decoder(checkpoint, device=ctx.device, dtype=SNAC_DTYPES[name])
+        cfg = OrpheusConfig.parse(ctx.model_kwargs)
+        self.decoder = load_snac_decoder(checkpoint, device=ctx.device, dtype=SNAC_DTYPES[cfg.snac_dtype])
         # snac_kernels: the fused Triton decode (auto on CUDA: ~71 kernels a window instead of ~320,
         # activations channels-last) or the module decoder
         self.fused = None
@@ -80,12 +77,12 @@ class SnacNode(NodeSubmodule):
         self.samples_per_frame = self.decoder.config.samples_per_frame
         # SNAC's decoder adds fresh Gaussian noise on every decode (the reference does, so
         # we do by default); snac_noise: false leaves it out: audio then depends only on the codes
-        self.noise = bool(ctx.model_kwargs.get("snac_noise", True))
+        self.noise = cfg.snac_noise
         plan = window_plan(ctx.model_kwargs)
         self.graphed_codes = {plan.window, plan.first}  # the window shapes served by CUDA graphs
         cuda = ctx.device.startswith("cuda")
         self.stream = torch.cuda.Stream(device=ctx.device) if cuda else None
-        graphs = cuda and bool(ctx.model_kwargs.get("snac_cuda_graphs", True))
+        graphs = cuda and cfg.snac_cuda_graphs
         self.graphed = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, cuda_graphs=graphs, device=ctx.device)
         self.eager = StatelessEngine(self._decode_packed, SNAC_BATCH_SIZES, device=ctx.device)  # short last windows
         if graphs:

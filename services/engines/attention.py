@@ -10,6 +10,7 @@ attention lets it see all ``kv_len`` keys (a denoising block, a world-model fram
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from mstar.services.engines.pages import CsrPageTable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -146,5 +149,8 @@ def make_backend(kind: str, heads: HeadShape, device: torch.device, dtype: torch
     from mstar.services.engines.attn_flashinfer import FlashInferAttention, flashinfer_available
 
     if kind == "auto" and not flashinfer_available():
+        log.warning("attention on %s: torch (SDPA over gathered pages), not FlashInfer: the flashinfer package is not "
+                    "installed (`make setup` on a GPU host installs it; or pip install 'mstar[gpu]')", device)
         return TorchPagedAttention(heads, device)
+    log.info("attention on %s: FlashInfer (paged prefill and decode)", device)
     return FlashInferAttention(heads, device, dtype, page_size)

@@ -6,8 +6,8 @@ add fused in), rotary embedding, SiLU·mul, and storing new K/V in the paged cac
 - ``FlashInferOps``: FlashInfer's fused CUDA kernels, one launch per call; RoPE rotates q and
   k in place inside the fused qkv output and K/V reach the cache in one scatter. In place:
   ``add_rms_norm`` overwrites both of its inputs.
-- ``CompiledOps``: the reference code through ``torch.compile`` (Inductor emits one Triton
-  kernel per call); kept to measure against FlashInfer.
+(A torch.compile kernel set was measured against FlashInfer and removed: on par at batch 1/16,
+0.15 ms slower at 64, 19 s of compile per engine start; bench/results/HISTORY.md.)
 
 A decode step runs these 5 calls per layer between the 4 GEMMs and attention, so on a GPU
 their launch count, not their bytes, is what they cost.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # layers imports this module
     from mstar.services.engines.layers import RotaryEmbedding
 
-KNOWN = ("auto", "torch", "flashinfer", "compile")
+KNOWN = ("auto", "torch", "flashinfer")
 
 
 class Ops(Protocol):
@@ -166,35 +166,6 @@ class FlashInferOps:
         _store_kv_fused(kv_layer, slots, k, v)
 
 
-class CompiledOps:
-    """The reference through torch.compile (dynamic shapes after the first recompile)."""
-
-    name = "compile"
-    in_place = False
-    position_table = False
-
-    def __init__(self):
-        self._rms = torch.compile(rms_norm_ref)
-        self._add_rms = torch.compile(_add_rms_norm_ref)
-        self._silu = torch.compile(_silu_and_mul_ref)
-        self._rope = torch.compile(rope_ref)
-
-    def rms_norm(self, x, weight, eps):
-        return self._rms(x, weight, eps)
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        return self._add_rms(x, residual, weight, eps)
-
-    def silu_and_mul(self, x):
-        return self._silu(x)
-
-    def rope(self, rope, q, k, positions):
-        return self._rope(rope.inv_freq, q, k, positions)
-
-    def store_kv(self, kv_layer, slots, k, v):
-        _store_kv_fused(kv_layer, slots, k, v)
-
-
 def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cuda":
         return f"device is {device}, not CUDA"
@@ -204,7 +175,7 @@ def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | 
 
 
 def make_ops(kind: str, device: torch.device | str, dtype: torch.dtype) -> Ops:
-    """'torch', 'flashinfer', 'compile', or 'auto' (FlashInfer where it applies and is
+    """'torch', 'flashinfer', or 'auto' (FlashInfer where it applies and is
     importable, else torch)."""
     if kind not in KNOWN:
         raise ValueError(f"Unknown kernels '{kind}'. Known: {', '.join(KNOWN)}")
@@ -214,8 +185,6 @@ def make_ops(kind: str, device: torch.device | str, dtype: torch.dtype) -> Ops:
         return TORCH_OPS
     if why_not:
         raise ValueError(f"kernels='{kind}' unavailable: {why_not}")
-    if kind == "compile":
-        return CompiledOps()
     if kind == "auto" and importlib.util.find_spec("flashinfer") is None:
         return TORCH_OPS
     return FlashInferOps()

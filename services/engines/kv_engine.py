@@ -74,11 +74,14 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # the longest sequence (prompt + output tokens) served: the cache must hold one, and a longer
+    # one is aborted (the placement YAML's max_seq_len); None: up to the whole cache
+    max_seq_len: int | None = None
     attention: str = "auto"  # auto | torch | flashinfer
     cuda_graphs: bool = True  # decode graphs; off (and logged) where unavailable
     overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-    kernels: str = "auto"  # auto | torch | flashinfer | compile: RMSNorm / RoPE / SiLU·mul (kernels.py)
+    kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm / RoPE / SiLU·mul (kernels.py)
     # decode attention inside CUDA graphs: auto (the fused Triton RoPE + K/V store + split-KV
     # attention kernel when triton imports, else FlashInfer) | flashinfer | triton
     graph_attention: str = "auto"
@@ -178,8 +181,16 @@ class KVCacheEngine:
         if config.overlap and not self.overlap:
             log.info("overlap scheduling off: device is %s, not CUDA", p.device)
         self.runner = ModelRunner(model, self.cache, backend, graphs, self.ops, tp)
+        max_pages = self.cache.allocator.num_usable
+        if config.max_seq_len is not None:
+            need = -(-config.max_seq_len // config.page_size)
+            if need > max_pages:
+                raise ValueError(f"the KV cache holds {max_pages * config.page_size} tokens, fewer than one sequence of "
+                                 f"max_seq_len={config.max_seq_len}: give it more memory (kv_cache_bytes, "
+                                 f"gpu_memory_fraction) or lower max_seq_len")
+            max_pages = need
         self.scheduler = Scheduler(self.cache, SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.cache.allocator.num_usable))
+            config.max_num_seqs, config.max_num_batched_tokens, max_pages))
         self.sampler = Sampler(fused=FUSED_SAMPLER[config.fused_sampler])
         self._sample_rows = StagedRows(p.device)  # the sampler's per-row numbers, uploaded ahead of each step
         self._head_cols = None  # the head_ranges' ids on the device, in column order

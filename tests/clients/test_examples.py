@@ -25,8 +25,10 @@ def run(cmd: list[str], timeout: float = RUN_S, cwd: Path = EXAMPLES) -> subproc
 
 
 def _wav(path: Path) -> tuple[int, int]:
+    """Rate and frames of a WAV file; a streamed one's header says "length unknown" (0xFFFFFFFF),
+    so the frames are counted, as a player reads them: to the end."""
     with wave.open(str(path)) as w:
-        return w.getframerate(), w.getnframes()
+        return w.getframerate(), len(w.readframes(w.getnframes())) // w.getsampwidth()
 
 
 def test_curl_script(mesh, tmp_path):

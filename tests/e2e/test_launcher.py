@@ -27,9 +27,10 @@ READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]
 
 
 class Served:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = self.grpc = None
 
     def wait_ready(self, timeout=90.0):
@@ -145,14 +146,49 @@ def test_killed_node_group_fails_request_and_launcher_names_it():
 
 
 def test_service_that_cannot_start_is_named():
+    """A node group killed while it starts (importing takes seconds; we poll every 20 ms)."""
+    s = Served("serve", "toy", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and s.proc.poll() is None:
+        groups = {n: p for n, p in s.children().items() if n in ("encoder", "decoder", "audio")}
+        if groups:
+            name, pid = next(iter(groups.items()))
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    code = s.proc.wait(90)
+    err = s.proc.stderr.read()
+    assert code != 0 and f"service '{name}' exited during startup with code -9" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--port"])
+def test_a_taken_port_is_refused_before_anything_starts(flag):
+    """A port held by another program (here a plain listening socket; a second M* is refused
+    the same way, its servers do not share ports) fails the launch at once, naming the port
+    and the flag, with no traceback and no service started."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        s = Served("serve", "toy", "--port", str(port), "--grpc-port", "0", "--log-level", "WARNING")
-        code = s.proc.wait(90)
-        err = s.proc.stderr.read()
-    assert code != 0 and "service 'gateway' exited during startup" in err
+        ports = {"--port": "0", "--grpc-port": "0", flag: str(port)}
+        s = Served("serve", "toy", *[x for kv in ports.items() for x in kv], "--log-level", "WARNING")
+        code = s.proc.wait(60)
+        out, err = s.proc.stdout.read(), s.proc.stderr.read()
+    assert code == 2, err
+    what = "conductor (--grpc-port)" if flag == "--grpc-port" else "gateway (--port)"
+    assert f"{what} (127.0.0.1:{port}): Address already in use" in err and "Traceback" not in err, err
+    assert "M* ready" not in out
+
+
+def test_gpus_without_cuda_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: --gpus 0 is valid here")
+    s = Served("serve", "toy", "--port", "0", "--grpc-port", "0", "--gpus", "0")
+    assert s.proc.wait(60) == 2
+    err = s.proc.stderr.read()
+    assert "--gpus 0: no CUDA here" in err and "--gpus ''" in err and "Traceback" not in err, err
 
 
 def test_bad_config_is_refused_with_a_clear_message(tmp_path):

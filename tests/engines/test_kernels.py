@@ -22,7 +22,7 @@ def test_auto_is_the_torch_reference_on_cpu_and_fused_kinds_say_why_not():
     assert make_ops("auto", "cpu", torch.float32) is TORCH_OPS
     with pytest.raises(ValueError, match="kernels='flashinfer' unavailable: device is cpu, not CUDA"):
         make_ops("flashinfer", "cpu", torch.bfloat16)
-    with pytest.raises(ValueError, match="Unknown kernels 'triton'. Known: auto, torch, flashinfer, compile"):
+    with pytest.raises(ValueError, match="Unknown kernels 'triton'. Known: auto, torch, flashinfer"):
         make_ops("triton", "cpu", torch.float32)
 
 

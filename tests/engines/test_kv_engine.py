@@ -240,3 +240,18 @@ def test_warm_sampler_leaves_no_state(tiny_model, monkeypatch):
     params = SamplingParams(temperature=0.9, seed=5, max_tokens=6, allowed_token_cycle=HEAD_CYCLE)
     assert eng.generate({"a": PROMPTS["a"]}, params) == make_engine(tiny_model, head_ranges=HEAD).generate(
         {"a": PROMPTS["a"]}, params)
+
+
+def test_max_seq_len_sizes_the_cache_and_bounds_sequences(tiny_model):
+    """The placement's max_seq_len: the cache must hold one such sequence, and a longer one is
+    aborted at admission instead of growing into the cache."""
+    with pytest.raises(ValueError, match=r"the KV cache holds 28 tokens, fewer than one sequence of max_seq_len=64: "
+                                         r"give it more memory \(kv_cache_bytes, gpu_memory_fraction\) or lower"):
+        make_engine(tiny_model, num_pages=8, max_seq_len=64)
+    eng = make_engine(tiny_model, num_pages=64, max_seq_len=16)
+    assert eng.scheduler.config.max_pages_per_seq == 4  # 16 tokens of 4-token pages
+    eng.add_request("long", list(range(1, 18)), GREEDY)  # 17 prompt tokens
+    eng.add_request("short", PROMPTS["b"], GREEDY)
+    events = eng.step()
+    assert ("long", None, SeqStatus.FINISHED_ABORTED) in [(e.request_id, e.token_id, e.status) for e in events]
+    assert [e.request_id for e in events if e.token_id is not None] == ["short"]

@@ -102,7 +102,7 @@ def test_invalid_kwarg_from_the_conductor_is_named_by_openai_param():
     assert body["error"]["message"] == "max_completion_tokens: model 'toy' rejected it: model_kwargs.max_tokens: too many"
 
 
-def test_speech_wav_at_the_models_rate_and_pcm_cut_on_failure():
+def test_speech_wav_at_the_models_rate_and_pcm_cut_on_failure():  # wav is cut the same way (streamed)
     async def go():
         async with gateway() as env:
             async with env.client.post("/v1/audio/speech", json={"model": "toy", "input": "hi"}) as r:
@@ -132,3 +132,51 @@ def test_client_leaving_a_streaming_chat_cancels_the_call():
             return env.fake.cancelled.is_set()
 
     assert run(go())
+
+
+def test_speech_takes_the_sampling_knobs_at_top_level():
+    """As the README lists them: temperature, top_p, seed, max_tokens go to the model as
+    model_kwargs; one also given in model_kwargs is a 400 naming both."""
+    async def go():
+        async with gateway() as env:
+            body = {"model": "toy", "input": "hi", "voice": "tara", "temperature": 0.7, "top_p": 0.9, "seed": 3,
+                    "max_tokens": 50, "model_kwargs": {"repetition_penalty": 1.1}}
+            async with env.client.post("/v1/audio/speech", json=body) as r:
+                assert r.status == 200, await r.text()
+            kwargs = json.loads(env.fake.requests[-1].model_kwargs_json)
+            async with env.client.post("/v1/audio/speech", json={**body, "model_kwargs": {"temperature": 1}}) as r:
+                clash = r.status, await r.json()
+            return kwargs, clash
+
+    kwargs, (status, err) = run(go())
+    assert kwargs == {"voice": "tara", "temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 50,
+                      "repetition_penalty": 1.1}
+    assert status == 400 and err["error"]["param"] == "model_kwargs.temperature"
+    assert "also set by 'temperature'" in err["error"]["message"]
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm"])
+def test_speech_streams_audio_as_it_is_made(fmt):
+    """The first audio reaches the client while the conductor still holds the request (here: it
+    sent two messages, then waits); wav starts with a streaming header of unknown length."""
+    async def go():
+        async with gateway() as env:
+            env.fake.behavior.hold_after = 2  # the text chunk, then the first audio chunk; then nothing
+            r = await env.client.post("/v1/audio/speech", json={"model": "toy", "input": "hi", "response_format": fmt})
+            head = r.status, r.headers["Content-Type"], r.headers.get("Transfer-Encoding")
+            want = (44 if fmt == "wav" else 0) + len(AUDIO[0])
+            got = await asyncio.wait_for(r.content.readexactly(want), WAIT_S)
+            held = not env.fake.cancelled.is_set()
+            r.close()
+            await asyncio.wait_for(env.fake.cancelled.wait(), WAIT_S)  # leaving cancels the call
+            return head, got, held
+
+    (status, content_type, encoding), got, held = run(go())
+    assert status == 200 and content_type == f"audio/{fmt}" and encoding == "chunked" and held
+    if fmt == "wav":
+        assert got[:4] == b"RIFF" and got[4:8] == b"\xff\xff\xff\xff" and got[36:44] == b"data\xff\xff\xff\xff"
+        with wave.open(io.BytesIO(got)) as w:  # a reader takes the unknown length as "to the end"
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+            assert w.readframes(w.getnframes()) == AUDIO[0]
+    else:
+        assert got == AUDIO[0]

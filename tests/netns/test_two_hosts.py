@@ -9,7 +9,8 @@ import pytest
 
 from mstar.services.transport import mooncake
 from mstar.services.transport.base import MOONCAKE_MIN_BYTES
-from mstar.twohosts import NetnsUnavailable, TwoHosts
+
+from twohosts import NetnsUnavailable, TwoHosts
 
 pytestmark = pytest.mark.e2e
 

@@ -4,14 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mstar.models.orpheus.checkpoint import (
-    CheckpointError,
-    load_tensors,
-    open_checkpoint,
-    resolve_checkpoint,
-    tensor_shapes,
-    validate_shapes,
-)
+from mstar.models.hub import CheckpointError
+from mstar.models.orpheus.checkpoint import load_tensors, open_checkpoint, tensor_shapes, validate_shapes
 
 TENSORS = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.weight": torch.ones(4), "c.bias": torch.zeros(1)}
 SHAPES = {k: tuple(v.shape) for k, v in TENSORS.items()}
@@ -36,36 +30,6 @@ def write_sharded(d):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (d / "tokenizer.json").write_text("{}")
     return d
-
-
-def hf_cache(root, repo="canopylabs/orpheus-3b-0.1-ft", commit="abc123"):
-    org, name = repo.split("/")
-    base = root / f"models--{org}--{name}"
-    (base / "refs").mkdir(parents=True)
-    (base / "refs" / "main").write_text(commit + "\n")
-    return write_single(base / "snapshots" / commit)
-
-
-def test_resolve_plain_directory(tmp_path):
-    assert resolve_checkpoint(str(write_single(tmp_path / "m"))) == tmp_path / "m"
-
-
-def test_resolve_hf_cache_layout_by_ref_and_commit(tmp_path):
-    snapshot = hf_cache(tmp_path)
-    assert resolve_checkpoint("canopylabs/orpheus-3b-0.1-ft", cache_dir=tmp_path) == snapshot
-    assert resolve_checkpoint("canopylabs/orpheus-3b-0.1-ft", cache_dir=tmp_path, revision="abc123") == snapshot
-    with pytest.raises(CheckpointError, match=r"no snapshot for revision 'v2'.*snapshots present: \['abc123'\]"):
-        resolve_checkpoint("canopylabs/orpheus-3b-0.1-ft", cache_dir=tmp_path, revision="v2")
-
-
-def test_resolve_plain_org_name_under_cache_dir(tmp_path):
-    d = write_single(tmp_path / "hubertsiuzdak" / "snac_24khz")
-    assert resolve_checkpoint("hubertsiuzdak/snac_24khz", cache_dir=tmp_path) == d
-
-
-def test_resolve_missing_never_downloads_and_says_where_it_looked(tmp_path):
-    with pytest.raises(CheckpointError, match=r"'org/absent' not found.*models--org--absent.*Nothing is downloaded"):
-        resolve_checkpoint("org/absent", cache_dir=tmp_path)
 
 
 def test_single_file_checkpoint(tmp_path):
@@ -123,3 +87,10 @@ def test_invalid_json_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"config.json: invalid JSON"):
         open_checkpoint(tmp_path)
+
+
+def test_an_unreadable_weight_file_is_named(tmp_path):
+    d = write_single(tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"{}")  # truncated / not safetensors
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file"):
+        open_checkpoint(d)

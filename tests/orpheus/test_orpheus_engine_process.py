@@ -14,10 +14,10 @@ from mstar.launcher import LaunchOptions, Mesh
 from mstar.models.base import NodeContext
 from mstar.models.orpheus.llm_node import use_engine_process
 from mstar.services.engines.tensor_parallel import TPSpec
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import cancel_and_drain, run, wait_released
+from inprocess import inprocess_mesh
 
 CONFIGS = "models/orpheus/configs"
 pytestmark = pytest.mark.e2e

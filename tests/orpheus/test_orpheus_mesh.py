@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from mstar.config import load_config
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import cancel_and_drain, collect, run, wait_released
+from inprocess import inprocess_mesh
 
 CONFIGS = "models/orpheus/configs"
 # "A long one." with this seed runs to max_tokens=2000 on the random test weights (seed 2 samples

@@ -15,9 +15,9 @@ from test_orpheus_tp import PCM_TOL, pcm16
 
 from mstar.config import load_config
 from mstar.models.orpheus.llm_node import OrpheusLLM
-from mstar.testing import inprocess_mesh
 
 from helpers import cancel_and_drain, collect, run, wait_released
+from inprocess import inprocess_mesh
 
 CONFIGS = "models/orpheus/configs"
 TEXTS = [("Hello there.", {"temperature": 0, "seed": 1}), ("A longer sentence, to speak.", {"temperature": 0, "seed": 2}),

@@ -16,11 +16,11 @@ import yaml
 from mstar.config import load_config
 from mstar.launcher import LaunchOptions, Mesh
 from mstar.services.links import CHANNEL_OPTIONS
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
 from helpers import collect, run
+from inprocess import inprocess_mesh
 
 CONFIGS = "models/orpheus/configs"
 TEXTS = ("Split in two.", "Two halves, one voice.")

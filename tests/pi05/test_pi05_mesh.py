@@ -15,10 +15,10 @@ from mstar import wire
 from mstar.config import load_config
 from mstar.models.base import InputFile, Prompt
 from mstar.models.pi05.policy import pixels_from_uint8
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, run, wait_released
+from inprocess import inprocess_mesh
 
 CONFIGS = "models/pi05/configs"
 

@@ -14,10 +14,10 @@ from conftest import DATA
 from mstar import wire
 from mstar.config import parse_config
 from mstar.models.vjepa2 import cem, media, rollout, weights
-from mstar.testing import inprocess_mesh
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, run
+from inprocess import inprocess_mesh
 
 P, E = 9, 32
 

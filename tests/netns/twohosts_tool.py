@@ -1,4 +1,4 @@
-"""Client side of ``mstar.twohosts``, run inside a namespace: prints one JSON line."""
+"""Client side of ``twohosts.py``, run inside a namespace: prints one JSON line."""
 
 from __future__ import annotations
 
