@@ -7,6 +7,9 @@ instance that may have nodes ready) to a list the runtime applies in order.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -18,6 +21,13 @@ from mstar.v1 import node_group_pb2 as pb
 
 #: ``Send.target`` of frames for the conductor (emits, fragment ends, failures)
 CONDUCTOR = "conductor"
+#: request ids remembered after release, so late frames of an ended request are dropped
+MAX_TOMBSTONES = 100_000
+#: requests known only from peers' frames, not yet started by the conductor (a persisted value may
+#: arrive before its START_WALK): at most this many, each for at most UNSTARTED_TTL_S, so frames
+#: with made-up request ids cannot pile up state
+MAX_UNSTARTED, UNSTARTED_TTL_S = 4096, 30.0
+log = logging.getLogger(__name__)
 
 
 class RequestFailed(Exception):
@@ -69,3 +79,48 @@ class Advance:
 
 
 Effect = Send | Advance
+
+
+class Requests(dict[str, RequestCtx]):
+    """The requests a node group holds, by id, and the ids it released (``released``)."""
+
+    def __init__(self, group: str):
+        super().__init__()
+        self.group = group
+        self.released: OrderedDict[str, None] = OrderedDict()
+        self._unstarted: OrderedDict[str, float] = OrderedDict()  # request -> when its first frame came
+        self.dropped = 0  # unstarted requests dropped (made-up ids, or walks that never started)
+
+    def open(self, rid: str, starts: bool) -> RequestCtx:
+        """The request of a frame, made at its first. ``starts``: the frame is the conductor's START_WALK;
+        a request first seen in a peer's frame counts as unstarted until then (see ``overdue``)."""
+        req = self.get(rid)
+        if req is None:
+            req = self[rid] = RequestCtx(rid)
+            if not starts:
+                self._unstarted[rid] = time.monotonic()
+        elif starts:
+            self._unstarted.pop(rid, None)
+        return req
+
+    def overdue(self) -> list[str]:
+        """Unstarted requests past the bounds: the caller releases them."""
+        if not self._unstarted:
+            return []
+        now, out = time.monotonic(), []
+        while self._unstarted and (len(self._unstarted) > MAX_UNSTARTED
+                                   or next(iter(self._unstarted.values())) < now - UNSTARTED_TTL_S):
+            out.append(self._unstarted.popitem(last=False)[0])
+        if out:
+            self.dropped += len(out)
+            log.warning("node group '%s': dropped %d request(s) whose walks never started (%d so far): frames "
+                        "came for ids the conductor did not start", self.group, len(out), self.dropped)
+        return out
+
+    def close(self, rid: str) -> RequestCtx | None:
+        """Forget the request (tombstoned); its state, or None if it held none."""
+        self._unstarted.pop(rid, None)
+        self.released[rid] = None
+        if len(self.released) > MAX_TOMBSTONES:
+            self.released.popitem(last=False)
+        return self.pop(rid, None)

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict
 from types import SimpleNamespace
 
 import grpc
@@ -25,7 +24,15 @@ from mstar.services.engines.tensor_parallel import TPSpec
 from mstar.services.links import Links
 from mstar.services.node_group.engine_driver import Ready
 from mstar.services.node_group.nodes import Nodes
-from mstar.services.node_group.requests import CONDUCTOR, Advance, Effect, RequestCtx, RequestFailed, Send
+from mstar.services.node_group.requests import (
+    CONDUCTOR,
+    Advance,
+    Effect,
+    RequestCtx,
+    RequestFailed,
+    Requests,
+    Send,
+)
 from mstar.services.node_group.router import Router
 from mstar.services.node_group.schedule import Schedule
 from mstar.services.transport import Protocol
@@ -34,7 +41,6 @@ from mstar.v1 import node_group_pb2 as pb
 
 log = logging.getLogger(__name__)
 K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrapper's attribute lookup costs ~3 us
-MAX_TOMBSTONES = 100_000
 
 
 class NodeGroupRuntime:
@@ -56,8 +62,8 @@ class NodeGroupRuntime:
                 self.links.add(peer, address)
         self.links.add(CONDUCTOR, conductor, kind="report")
         self.schedule = Schedule(self.router, self.submodules)
-        self.requests: dict[str, RequestCtx] = {}
-        self.released: OrderedDict[str, None] = OrderedDict()
+        self.requests = Requests(group)
+        self.released = self.requests.released
         #: back-to-back rounds before arriving frames get in (README, "Round budget"); groups with
         #: engines yield every round: a finished engine step is seen only when the loop runs
         self.round_budget_s = 0.0 if self.engines else settings().round_budget_s
@@ -97,7 +103,9 @@ class NodeGroupRuntime:
                 self.router.stream_taken(req, inst, f.node, f.edge, f.iteration, f.done)
                 self._apply(req, [Advance(inst)])
             return
-        req = self.requests.get(f.request_id) or self.requests.setdefault(f.request_id, RequestCtx(f.request_id))
+        req = self.requests.open(f.request_id, f.kind == K.FRAME_KIND_START_WALK)
+        for rid in self.requests.overdue():
+            self.release(rid)
         if f.request_kwargs_json and req.kwargs is None:
             req.kwargs = json.loads(f.request_kwargs_json)
         inst = self.router.instance(req, (f.walk, f.walk_seq, -1))
@@ -231,10 +239,7 @@ class NodeGroupRuntime:
         self.release(request_id)
 
     def release(self, request_id: str) -> None:
-        self.released[request_id] = None
-        if len(self.released) > MAX_TOMBSTONES:
-            self.released.popitem(last=False)
-        if self.requests.pop(request_id, None) is not None:
+        if self.requests.close(request_id) is not None:
             self.nodes.release(request_id)
         self.links.forget(request_id)
 
