@@ -51,3 +51,29 @@ def test_a_persisted_value_may_precede_its_walk_start():
     for i in range(requests_mod.MAX_UNSTARTED + 10):  # forged ones after it do not push it out
         feed(rt, [data(f"forged-{i}")])
     assert "real" in rt.requests and rt.requests["real"].instances
+
+
+def test_shared_memory_refs_name_only_the_meshs_own_segments(tmp_path):
+    """Finding 1: a forged SharedMemoryRef once mapped any file (``../path``) and sent its bytes on."""
+    import os
+
+    import pytest
+
+    from mstar.env import settings
+    from mstar.services.transport.shm import SHM_DIR, ShmReader
+    from mstar.v1 import tensor_pb2
+
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"do not read")
+    link = os.path.join(SHM_DIR, f"{settings().shm_prefix}link-{os.getpid()}")
+    os.symlink(secret, link)
+    try:
+        for name, why in [(f"../..{secret}", "not one this mesh makes"), ("other-prefix-1", "not one this mesh makes"),
+                          (f"{settings().shm_prefix}a/../../x", "not one this mesh makes"),
+                          (os.path.basename(link), "not a regular file")]:
+            msg = tensor_pb2.Tensor(name="t", datatype="UINT8", shape=[4])
+            msg.shm.segment, msg.shm.nbytes = name, 4
+            with pytest.raises(ValueError, match=why):
+                ShmReader().read(msg, [])
+    finally:
+        os.unlink(link)

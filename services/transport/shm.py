@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import stat
 import threading
 
 import numpy as np
@@ -21,6 +23,7 @@ from mstar.v1 import tensor_pb2 as pb
 
 SHM_DIR = "/dev/shm"
 SHM_MIN_BYTES = 64 * 1024
+_SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 _counter = 0
 _counter_lock = threading.Lock()
 
@@ -43,7 +46,7 @@ def _size_class(nbytes: int) -> int:
 class _Segment:
     def __init__(self, name: str, size: int, create: bool):
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
                 os.ftruncate(fd, size)
@@ -117,6 +120,15 @@ class ShmSender(TensorSender):
         return [s.name for s in self._segments.values()]
 
 
+def check_segment_name(name: str) -> None:
+    """A segment named in a frame is untrusted: only a plain name the mesh's senders make (the
+    launch's MSTAR_SHM_PREFIX, no path separators) is ever opened."""
+    prefix = settings().shm_prefix
+    if not _SEGMENT_NAME.fullmatch(name) or not name.startswith(prefix):
+        raise ValueError(f"shared-memory segment {name[:80]!r} is not one this mesh makes (a plain name starting "
+                         f"with {prefix!r}); refused")
+
+
 class ShmReader:
     """Maps segments named in incoming frames (cached) and copies tensors out."""
 
@@ -129,8 +141,14 @@ class ShmReader:
         if seg is None or seg.size < ref.offset + ref.nbytes:
             if seg is not None:
                 seg.close(unlink=False)
-            size = os.stat(os.path.join(SHM_DIR, ref.segment)).st_size
-            seg = self._open[ref.segment] = _Segment(ref.segment, size, create=False)
+            check_segment_name(ref.segment)
+            st = os.stat(os.path.join(SHM_DIR, ref.segment), follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"shared-memory segment {ref.segment!r} is not a regular file; refused")
+            seg = self._open[ref.segment] = _Segment(ref.segment, st.st_size, create=False)
+        if ref.offset + ref.nbytes > seg.size:
+            raise ValueError(f"shared-memory ref [{ref.offset}, {ref.offset + ref.nbytes}) lies outside segment "
+                             f"{ref.segment!r} of {seg.size} bytes")
         try:
             return wire.from_bytes(seg.array[ref.offset : ref.offset + ref.nbytes], msg.datatype, msg.shape)
         finally:
