@@ -337,6 +337,12 @@ def engine() -> Engine:
         return _engine
 
 
+def running() -> Engine | None:
+    """The engine if this process started it (it advertised a session to its peers), else None."""
+    e = _engine
+    return e if e is not None and e.pid == os.getpid() else None
+
+
 def advertise() -> tuple[str, str]:
     """(session, protocol) this process offers to senders; ("", "") without Mooncake.
 
@@ -503,10 +509,14 @@ class MooncakeReader:
             if n != ref.nbytes or min(msg.shape, default=0) < 0:
                 raise wire.WireError(f"tensor '{msg.name}' of shape {list(msg.shape)} {msg.datatype} needs {n} bytes, "
                                      f"the Mooncake ref from session {ref.session} names {ref.nbytes}")
+            eng = running()
+            if eng is None:  # a frame never starts a transport engine (nor its listeners)
+                raise wire.WireError(f"tensor '{msg.name}': a Mooncake ref from session {ref.session}, but this service "
+                                     f"offers no Mooncake session (it did not advertise one); refused")
             out = torch.empty(list(msg.shape), dtype=dtype)
             if n == 0:
                 return out
-            eng, dst = engine(), out.view(-1).view(torch.uint8)
+            dst = out.view(-1).view(torch.uint8)
             slot_id, slot = self._pool.acquire(min(n, READ_CHUNK_BYTES))
             give_back = True
             try:

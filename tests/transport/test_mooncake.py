@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mstar.services.transport import mooncake
+from mstar.wire import WireError
 from mstar.services.transport.base import LinkSender, Protocol, TensorReceiver, pool_id
 from mstar.v1 import tensor_pb2 as pb
 
@@ -99,7 +100,21 @@ def peer():
     p.close()
 
 
+def test_a_ref_never_starts_an_engine(peer):
+    """Finding 5 of issue 30: a forged MooncakeRef once started this process's engine (and its
+    listeners). A service reads refs only with the engine it advertised when it started."""
+    if mooncake.running() is not None:
+        pytest.skip("this test process already runs an engine (an earlier test started it)")
+    r = peer.call(op="send", dtype="float32", nbytes=1 * MIB, seed=0)
+    msg = pb.Tensor.FromString(bytes.fromhex(r["msg"]))
+    with pytest.raises(WireError, match="offers no Mooncake session"):
+        TensorReceiver().decode(msg, [])
+    assert mooncake.running() is None
+    peer.call(op="release", ids=[msg.mooncake.buffer_id])
+
+
 def test_round_trip_across_processes_through_link_sender_and_receiver(peer):
+    mooncake.engine()  # this process offers a session, as a service that advertised one
     receiver = TensorReceiver()
     try:
         for nbytes in SIZES:
