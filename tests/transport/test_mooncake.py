@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mstar.services.transport import mooncake
-from mstar.wire import WireError
 from mstar.services.transport.base import LinkSender, Protocol, TensorReceiver, pool_id
 from mstar.v1 import tensor_pb2 as pb
+from mstar.wire import WireError
 
 pytestmark = [
     pytest.mark.skipif(not mooncake.available(), reason=f"Mooncake is not installed: {mooncake.unavailable_reason()}"),
