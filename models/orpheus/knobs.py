@@ -9,7 +9,13 @@ from typing import Literal
 from pydantic import Field
 
 from mstar.models.knobs import Knobs
-from mstar.models.orpheus.tokens import FIRST_WINDOW_FRAMES, MAX_STRIDE_FRAMES, OFFICIAL_WINDOW_FRAMES, VOICES
+from mstar.models.orpheus.tokens import (
+    FIRST_WINDOW_FRAMES,
+    MAX_STRIDE_FRAMES,
+    OFFICIAL_WINDOW_FRAMES,
+    TOKENS_PER_FRAME,
+    VOICES,
+)
 
 DEFAULT_LLM = "canopylabs/orpheus-3b-0.1-ft"
 DEFAULT_SNAC = "hubertsiuzdak/snac_24khz"
@@ -63,7 +69,9 @@ class OrpheusRequest(Knobs):
     temperature: float = Field(0.6, ge=0, le=2, description="sampling temperature")
     top_p: float = Field(0.8, gt=0, le=1, description="nucleus sampling")
     repetition_penalty: float = Field(1.3, ge=1, le=2, description="penalty on tokens already generated")
-    max_tokens: int = Field(1200, ge=1, le=MAX_DECODE_ITERS, description="speech tokens at most (7 per 85 ms frame)")
+    # fewer than one frame's 7 tokens can never make audio: refused on every route, not a 5xx later
+    max_tokens: int = Field(1200, ge=TOKENS_PER_FRAME, le=MAX_DECODE_ITERS,
+                            description="speech tokens at most (7 per 85 ms frame; at least one frame)")
     seed: int | None = Field(None, ge=0, lt=2**63, description="sampling seed; None: random")
 
     RENAMED = {"max_output_tokens": "M* calls it max_tokens", "max_new_tokens": "M* calls it max_tokens",

@@ -63,7 +63,8 @@ def test_knobs_are_validated(weights):
         async with inprocess_mesh(load_config(f"{CONFIGS}/default.yaml"), cache_dir=weights) as mesh:
             for kw, field in [({"voice": "bob"}, "model_kwargs.voice"), ({"temperature": 3}, "model_kwargs.temperature"),
                               ({"top_p": 0}, "model_kwargs.top_p"), ({"repetition_penalty": 0.5}, "model_kwargs.repetition_penalty"),
-                              ({"max_tokens": 0}, "model_kwargs.max_tokens"), ({"seed": -1}, "model_kwargs.seed"),
+                              ({"max_tokens": 0}, "model_kwargs.max_tokens"),
+                              ({"max_tokens": 6}, "model_kwargs.max_tokens"),  # less than a frame: never audio ({"seed": -1}, "model_kwargs.seed"),
                               ({"speed": 2}, "model_kwargs.speed")]:
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await collect(mesh.stub, speak("hi", **kw))
