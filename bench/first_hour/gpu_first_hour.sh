@@ -30,7 +30,15 @@ else
   tar -C "$SRC" --exclude=./.git --exclude=./.fi --exclude='./.wheels*' --exclude='*.egg-info' \
       --exclude=__pycache__ -cf - . | tar -C "$WORK/mstar" -xf -; how="copy of the tree (no .git here)"
 fi
-python3 -m venv --system-site-packages "$WORK/venv"
+if python3 -c "import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)"; then
+  # the image's python is already a virtual environment (its CUDA torch lives there): install into it,
+  # as a user of that image would; a venv on top would not see its packages
+  echo "python3 is the virtual environment $(python3 -c 'import sys; print(sys.prefix)'): setup installs into it"
+  mkdir -p "$WORK/venv/bin" && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > "$WORK/venv/bin/python"
+  chmod +x "$WORK/venv/bin/python"
+else
+  python3 -m venv --system-site-packages "$WORK/venv"
+fi
 export PATH="$WORK/venv/bin:$PATH" PYTHONUNBUFFERED=1
 cd "$WORK/mstar"
 stamp "make setup ($how)"
