@@ -26,7 +26,7 @@ def test_unknown_request_knobs_name_the_known_ones_and_a_close_match():
     ({"temperature": True}, "model_kwargs.temperature: must be a number in [0, 2], got True"),
     ({"temperature": "0.5"}, "model_kwargs.temperature: must be a number in [0, 2], got '0.5'"),
     ({"top_p": 0}, "model_kwargs.top_p: must be a number in (0, 1], got 0"),
-    ({"max_tokens": 1.0}, "model_kwargs.max_tokens: must be an integer in [1, 8192], got 1.0"),
+    ({"max_tokens": 1.0}, "model_kwargs.max_tokens: must be an integer in [7, 8192], got 1.0"),
     ({"voice": "bob"}, "model_kwargs.voice: must be one of tara, leah, jess, leo, dan, mia, zac, zoe, got 'bob'"),
     ({"max_output_tokens": 10}, "model_kwargs.max_output_tokens: not a knob of this model: M* calls it max_tokens"),
 ])
@@ -118,8 +118,9 @@ def test_the_openapi_document_shows_the_models_request_knobs():
     assert components["OrpheusModelKwargs"] == OrpheusRequest.json_schema()
     assert components["ToyModelKwargs"] == ToyRequest.json_schema()
     props = components["OrpheusModelKwargs"]["properties"]
-    assert props["max_tokens"] == {"default": 1200, "description": "speech tokens at most (7 per 85 ms frame)",
-                                   "maximum": 8192, "minimum": 1, "type": "integer"}
+    assert props["max_tokens"] == {"default": 1200,
+                                   "description": "speech tokens at most (7 per 85 ms frame; at least one frame)",
+                                   "maximum": 8192, "minimum": 7, "type": "integer"}
     assert components["OrpheusModelKwargs"]["additionalProperties"] is False
 
 

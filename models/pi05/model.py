@@ -68,7 +68,7 @@ class Pi05Model(Model):
 
     # -- assets --------------------------------------------------------------------------
     def checkpoint_dir(self):
-        from mstar.models.orpheus.checkpoint import resolve_checkpoint
+        from mstar.models.hub import resolve_checkpoint
 
         return resolve_checkpoint(self.model_kwargs.get("checkpoint", DEFAULT_CHECKPOINT), cache_dir=self.cache_dir)
 
