@@ -132,6 +132,8 @@ class RequestTable:
         elif f.kind == K.FRAME_KIND_FRAGMENT_DONE:
             for g, n in f.persisted_sent.items():
                 ar.persisted_to[g] = ar.persisted_to.get(g, 0) + n
+                if n:
+                    ar.touched.add(g)  # it holds the values: it gets the RELEASE, even with no walk started there
             walk, left = ar.pending.get(f.walk_seq, ("", set()))
             left.discard(sender)
             if walk and not left:
@@ -168,9 +170,12 @@ class RequestTable:
         """Tell every node group the request touched to free what it holds. A request that
         failed or was cancelled may still be computing there: its RELEASE leaves at once. One
         that finished holds only idle state: its RELEASE rides with the link's next message
-        (``Link.send_later``, at most a few ms later), which under load saves a message a group."""
+        (``Link.send_later``, at most a few ms later), which under load saves a message a group.
+        A request that ended early may have had values sent peer to peer that no fragment reported
+        yet: every serving replica it is pinned to then gets the RELEASE."""
         ar.ended = True
-        for g in ar.touched:
+        groups = ar.touched | {g for g, a in ar.routes.items() if a in self.replicas.serving(g)} if now else ar.touched
+        for g in groups:
             link = self.links.to(g, ar.routes[g])
             frame = pb.Frame(kind=K.FRAME_KIND_RELEASE, request_id=ar.request_id)
             link.send(frame) if now else link.send_later(frame)

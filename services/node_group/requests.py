@@ -24,9 +24,10 @@ CONDUCTOR = "conductor"
 #: request ids remembered after release, so late frames of an ended request are dropped
 MAX_TOMBSTONES = 100_000
 #: requests known only from peers' frames, not yet started by the conductor (a persisted value may
-#: arrive before its START_WALK): at most this many, each for at most UNSTARTED_TTL_S, so frames
-#: with made-up request ids cannot pile up state
-MAX_UNSTARTED, UNSTARTED_TTL_S = 4096, 30.0
+#: arrive long before its START_WALK: a think-mode decode can run between): at most this many, each
+#: for at most UNSTARTED_TTL_S (beyond the conductor's default request timeout), so frames with
+#: made-up request ids cannot pile up state; the conductor's RELEASE frees the real ones sooner
+MAX_UNSTARTED, UNSTARTED_TTL_S = 4096, 900.0
 log = logging.getLogger(__name__)
 
 
