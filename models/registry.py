@@ -24,6 +24,7 @@ _REGISTRY: dict[str, str] = {
 _REQUEST_SCHEMAS: dict[str, str] = {
     "toy": "mstar.models.toy.knobs:ToyRequest",
     "orpheus": "mstar.models.orpheus.knobs:OrpheusRequest",
+    "bagel": "mstar.models.bagel.schema:BagelRequest",
 }
 
 _MODELS_DIR = Path(__file__).resolve().parent

@@ -27,6 +27,7 @@ import torch
 
 from mstar.models.bagel.knobs import MAX_NEW_TOKENS, MAX_STEPS, Settings, flow_params, validate
 from mstar.models.bagel.requests import LABELS, MAIN, Block, think_text
+from mstar.models.bagel.schema import BagelRequest, BagelSettings
 from mstar.models.base import (
     Emit,
     InvalidArgument,
@@ -63,6 +64,8 @@ def _handoff(dst: str, kv: str, meta: str) -> list[GraphEdge]:
 
 class BagelModel(Model):
     name = "bagel"
+    config_schema = BagelSettings
+    request_schema = BagelRequest
     nodes = (GraphNode("vit_encoder"), GraphNode("vae_encoder"), GraphNode("vae_decoder"), GraphNode("llm"),
              GraphNode("llm_cfg_text"), GraphNode("llm_cfg_img"), GraphNode("combine_cfg"))
 
