@@ -117,3 +117,47 @@ def write_checkpoint(directory: str | Path, seed: int = 0) -> list[str]:
     save_file({n: p.detach().clone().contiguous() for n, p in vae.named_parameters()}, str(d / AE))
     config_from_dir(d)  # what was written loads
     return sorted(p.name for p in d.iterdir())
+
+
+FULL_LLM = {**TINY_LLM, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "max_window_layers": 28, "vocab_size": 152064}
+FULL_VIT = {**TINY_VIT, "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16}
+
+
+def write_full_checkpoint(directory: str | Path, device: str = "cuda", seed: int = 0) -> list[str]:
+    """BAGEL-7B-MoT's shapes with random bf16 weights (N(0, 0.02); norms 1, biases 0) and the small
+    tokenizer (benchmarks: the ids it makes are valid, the text is not). ~29 GB; drawn on ``device``."""
+    from safetensors.torch import save_file
+
+    from mstar.models.bagel.config import SpecialTokens, llm_config, vit_config
+    from mstar.models.bagel.flow import LatentAdapter
+    from mstar.models.bagel.llm import BagelLLM
+    from mstar.models.bagel.vae import AutoEncoder
+    from mstar.models.bagel.vit import VisionEncoder, sincos_2d
+    from mstar.models.bagel.weights import latent_name, llm_name, vit_name
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(d)
+    (d / LLM_CONFIG).write_text(json.dumps(FULL_LLM, indent=1))
+    (d / VIT_CONFIG).write_text(json.dumps(FULL_VIT, indent=1))
+    cfg = BagelConfig(llm_config(FULL_LLM), vit_config(FULL_VIT), VAEConfig(), SpecialTokens(0, 0, 0, 0))
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def draw(name: str, shape) -> torch.Tensor:
+        leaf = name.split(".")[-1]
+        if len(shape) == 1:
+            t = torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+            return t.to(torch.bfloat16)
+        return (torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+
+    with torch.device("meta"):
+        parts = ((BagelLLM(cfg.llm), llm_name), (VisionEncoder(cfg), vit_name), (LatentAdapter(cfg), latent_name))
+        vae = AutoEncoder(cfg.vae)
+    ema = {name(n): draw(n, p.shape) for m, name in parts for n, p in m.named_parameters()}
+    ema["vit_pos_embed.pos_embed"] = sincos_2d(cfg.llm.hidden_size, cfg.vit_max_patches_per_side)
+    ema["latent_pos_embed.pos_embed"] = sincos_2d(cfg.llm.hidden_size, cfg.max_latent_size)
+    save_file(ema, str(d / EMA))
+    del ema
+    save_file({n: draw(n, p.shape).float() for n, p in vae.named_parameters()}, str(d / AE))
+    return sorted(p.name for p in d.iterdir())
