@@ -1,0 +1,355 @@
+"""BAGEL on one GPU (issue 31's Benchmark): this repository's model against the public reference
+inferencer (github.com/ByteDance-Seed/Bagel, imported from ``--reference``) on the same weights, in
+one process. Full-size random bf16 weights in the official layout (``--ckpt``; written there first by
+``demo.write_full_checkpoint`` when missing).
+
+Measured (CUDA-synchronised wall time, median of ``--reps`` after ``--warmup``):
+- text-to-image at each ``--sizes`` (50 timesteps, default CFG: cfg_text 4 in (0.4, 1], renorm global),
+  editing at the first size (cfg_text 4, cfg_img 2, interval [0, 1], text_channel): ours = the
+  whole request as the served graph runs it (``BagelPipeline``: the CFG branches of a step in one
+  engine pass) and as served through an in-process mesh (gRPC on loopback); reference =
+  ``InterleaveInferencer`` (its flash-attn replaced by torch SDPA where it cannot be imported: said
+  in the JSON);
+- understanding at each ``--concurrency``: time to first token and decoded tokens/s through the
+  in-process mesh (requests batched by the node group); the reference serves one request at a time
+  (its TTFT: a 1-token answer; its throughput: N-token answers back to back);
+- the FLOP floor of text-to-image: FLOPs of one guided and one unguided flow step, the VAE decode
+  and the prefill (``torch.utils.flop_counter``), over the bf16 matmul peak measured here;
+- ``--two-gpu``: text-to-image through the mesh with ``cfg_parallel_2gpu.yaml`` (branches on cuda:1)
+  against ``default.yaml`` on cuda:0, in the same call.
+
+    python bench/bagel/bench_bagel.py --ckpt /data/bagel-random --reference /work/ref-bagel --out bench/results/bagel/bench.json
+    python bench/bagel/bench_bagel.py --device cpu --tiny --out /tmp/bagel.json   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "a photo of a red cat sitting on a blue chair"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, reps: int, warmup: int) -> dict:
+    times = []
+    for i in range(warmup + reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "reps": len(times)}
+
+
+def test_image(w: int, h: int):
+    import numpy as np
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:h, 0:w]
+    return Image.fromarray(np.stack([127 + 120 * np.sin(0.01 * (c + 1) * xx + 0.02 * yy) for c in range(3)], -1).astype(np.uint8))
+
+
+def bf16_peak_tflops(device: str) -> float | None:
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    sync(device)
+    t0, n = time.perf_counter(), 20
+    for _ in range(n):
+        a @ a
+    sync(device)
+    return 2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12
+
+
+def flop_floor(pipe, size: int, steps: int, peak: float | None) -> dict:
+    """FLOPs of a default text-to-image request, counted on its parts, and the time they take at ``peak``."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mstar.models.bagel.flow import FlowParams, schedule, unpatchify_latent
+    from mstar.models.bagel.pipeline import flow_step
+
+    p = FlowParams(size, size, steps)
+    lm, rid = pipe.lm, "flops"
+    h = w = size // pipe.cfg.latent_downsample
+    x = torch.randn(h * w, pipe.cfg.patch_latent_dim)
+    counts = {}
+    try:
+        with FlopCounterMode(display=False) as fc:
+            lm.prefill_text([(rid, ("main", "cfg_img"), pipe.text_ids(PROMPT))])
+        counts["prefill"] = fc.get_total_flops()
+        for name, t in (("guided_step", 0.9), ("plain_step", 0.1)):
+            with FlopCounterMode(display=False) as fc:
+                flow_step(lm, [(rid, x, t, 0.02, p, ("main", "cfg_text"))])
+            counts[name] = fc.get_total_flops()
+        with FlopCounterMode(display=False) as fc, torch.inference_mode():
+            pipe.vae.decode(unpatchify_latent(x, h, w)[None].to(pipe.device, pipe.dtype))
+        counts["vae_decode"] = fc.get_total_flops()
+    finally:
+        lm.release(rid)
+    ts, _ = schedule(steps, p.shift)
+    guided = sum(1 for t in ts.tolist() if p.scales(t)[0] > 1.0)
+    total = counts["prefill"] + guided * counts["guided_step"] + (len(ts) - guided) * counts["plain_step"] + counts["vae_decode"]
+    return {**counts, "guided_steps": guided, "plain_steps": len(ts) - guided, "total_flops": total,
+            "floor_s": total / (peak * 1e12) if peak else None}
+
+
+# -- the served path: an in-process mesh on this device ------------------------------------------
+@contextlib.asynccontextmanager
+async def mesh(config_name: str, kwargs: dict, devices: dict[str, str]):
+    """The placement's groups and the conductor as gRPC servers on loopback in this process, each
+    group on its device (``devices``: group -> device; default the first)."""
+    import dataclasses
+
+    import grpc
+
+    from mstar.conductor.replicas import Replicas
+    from mstar.conductor.requests import RequestTable
+    from mstar.conductor.server import ConductorServer
+    from mstar.config import Placement, load_config
+    from mstar.models.registry import create_model
+    from mstar.ports import free_port
+    from mstar.services.links import CHANNEL_OPTIONS
+    from mstar.services.node_group.runtime import NodeGroupRuntime
+    from mstar.services.node_group.server import NodeGroupServer
+    from mstar.services.transport import Protocol
+    from mstar.v1 import conductor_pb2_grpc
+
+    cfg = load_config(ROOT / "models/bagel/configs" / f"{config_name}.yaml")
+    cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, **kwargs})
+    addrs = {g: f"127.0.0.1:{free_port('127.0.0.1')}" for g in cfg.group_names}
+    conductor_address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    groups = {}
+    for g in cfg.group_names:
+        model = create_model("bagel", cfg.model_kwargs)
+        runtime = NodeGroupRuntime(g, model, Placement(cfg, model), addrs, conductor_address, Protocol.AUTO,
+                                   device=devices.get(g, next(iter(devices.values()))))
+        groups[g] = NodeGroupServer(addrs[g], runtime)
+        await groups[g].start()
+    model = create_model("bagel", cfg.model_kwargs)
+    model.prepare_conductor()
+    conductor = ConductorServer(conductor_address, RequestTable(model, Placement(cfg, model),
+                                                                Replicas({g: [a] for g, a in addrs.items()}), Protocol.AUTO))
+    await conductor.start()
+    try:
+        async with grpc.aio.insecure_channel(conductor_address, options=CHANNEL_OPTIONS) as channel:
+            yield conductor_pb2_grpc.ConductorStub(channel)
+    finally:
+        await asyncio.gather(*(s.runtime.links.close() for s in groups.values()), conductor.table.links.close())
+        await asyncio.gather(*(s.stop(grace_s=0.5) for s in groups.values()), conductor.stop(grace_s=0.5))
+
+
+def request(text: str, kw: dict, image_png: bytes | None = None):
+    from mstar.v1 import conductor_pb2 as cpb
+
+    files = [cpb.InputFile(name="image", content_type="image/png", data=image_png)] if image_png else []
+    return cpb.GenerateRequest(model="bagel", text=text, model_kwargs_json=json.dumps(kw), files=files)
+
+
+async def one(stub, req) -> dict:
+    t0, first, tokens = time.perf_counter(), None, 0
+    async for r in stub.Generate(req, timeout=3600):
+        for c in r.chunks:
+            if c.name == "text":
+                first = first or time.perf_counter() - t0
+                tokens += len(c.token_ids)
+    return {"total_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens}
+
+
+def served(args, kwargs: dict, png: bytes) -> dict:
+    async def go():
+        out = {}
+        async with mesh("default", kwargs, {"bagel": args.device}) as stub:
+            for size in args.sizes:
+                kw = {"height": size, "width": size, "steps": args.steps, "seed": 1}
+                await one(stub, request(PROMPT, kw))  # warm
+                out[f"t2i_{size}"] = statistics.median([(await one(stub, request(PROMPT, kw)))["total_s"]
+                                                        for _ in range(args.reps)])
+            out["edit"] = (await one(stub, request("make it blue", {"mode": "edit", "steps": args.steps, "seed": 1}, png)))["total_s"]
+            for c in args.concurrency:
+                kw = {"mode": "understand", "max_tokens": args.max_tokens}
+                await one(stub, request("describe the image", kw, png))
+                t0 = time.perf_counter()
+                res = await asyncio.gather(*(one(stub, request("describe the image", kw, png)) for _ in range(c)))
+                wall = time.perf_counter() - t0
+                out[f"understand_c{c}"] = {"ttft_median_s": statistics.median(r["ttft_s"] or wall for r in res),
+                                           "tokens_per_s": sum(r["tokens"] for r in res) / wall}
+        return out
+    return asyncio.run(go())
+
+
+def two_gpu(args, kwargs: dict) -> dict:
+    async def go():
+        out = {}
+        kw = {"height": args.sizes[0], "width": args.sizes[0], "steps": args.steps, "seed": 1}
+        for name, devices in (("one_gpu", {"bagel": "cuda:0"}), ("cfg_parallel_2gpu", {"main": "cuda:0", "uncond": "cuda:1"})):
+            async with mesh(name if name != "one_gpu" else "default", kwargs, devices) as stub:
+                await one(stub, request(PROMPT, kw))
+                out[name] = statistics.median([(await one(stub, request(PROMPT, kw)))["total_s"] for _ in range(args.reps)])
+        return out
+    return asyncio.run(go())
+
+
+# -- the reference -------------------------------------------------------------------------------
+def reference(args, ckpt: Path, png_image) -> dict:
+    """The public inferencer on the same checkpoint (bf16 on CUDA as its app runs it)."""
+    import importlib.util
+
+    import torch
+
+    sys.path.insert(0, str(args.reference))
+    notes = []
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("torchvision") is None:
+        sys.path.insert(0, str(ROOT / "tests/bagel/data"))
+        from make_reference import install_stand_ins
+
+        install_stand_ins()
+        notes.append("flash_attn / torchvision stand-ins (torch SDPA; PIL resize) from tests/bagel/data/make_reference.py")
+    from data.data_utils import add_special_tokens
+    from data.transforms import ImageTransform
+    from inferencer import InterleaveInferencer
+    from modeling.autoencoder import AutoEncoder, AutoEncoderParams
+    from modeling.bagel import (
+        Bagel,
+        BagelConfig,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
+    from modeling.qwen2 import Qwen2Tokenizer
+    from safetensors.torch import load_file
+
+    from mstar.models.bagel.config import config_from_dir
+
+    ours = config_from_dir(ckpt)
+    dev, dtype = args.device, torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    llm_config = Qwen2Config.from_json_file(str(ckpt / "llm_config.json"))
+    llm_config.qk_norm, llm_config.tie_word_embeddings, llm_config.layer_module = True, False, "Qwen2MoTDecoderLayer"
+    vit_config = SiglipVisionConfig.from_json_file(str(ckpt / "vit_config.json"))
+    vit_config.rope, vit_config.num_hidden_layers = False, vit_config.num_hidden_layers - 1
+    v = ours.vae
+    params = AutoEncoderParams(resolution=256, in_channels=3, downsample=8, ch=v.ch, out_ch=3, ch_mult=list(v.ch_mult),
+                               num_res_blocks=v.num_res_blocks, z_channels=16, scale_factor=0.3611, shift_factor=0.1159)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            vae = AutoEncoder(params)
+            model = Bagel(Qwen2ForCausalLM(llm_config), SiglipVisionModel(vit_config), BagelConfig(
+                visual_gen=True, visual_und=True, llm_config=llm_config, vit_config=vit_config, vae_config=params,
+                vit_max_num_patch_per_side=70, connector_act="gelu_pytorch_tanh", latent_patch_size=2, max_latent_size=64))
+            model.vit_model.vision_model.embeddings.convert_conv2d_to_linear(vit_config)
+    finally:
+        torch.set_default_dtype(default)
+    model.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device=dev), strict=True)
+    vae.load_state_dict(load_file(str(ckpt / "ae.safetensors"), device=dev), strict=True)
+    model, vae = model.to(dtype).eval(), vae.to(dtype).eval()
+    tokenizer, ids, _ = add_special_tokens(Qwen2Tokenizer.from_pretrained(str(ckpt)))
+    inf = InterleaveInferencer(model, vae, tokenizer, ImageTransform(*args.vae_image, 16), ImageTransform(*args.vit_image, 14), ids)
+    out = {"notes": notes}
+    t2i = dict(cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval=[0.4, 1.0], timestep_shift=3.0,
+               num_timesteps=args.steps, cfg_renorm_type="global")
+    for size in args.sizes:
+        out[f"t2i_{size}"] = timed(lambda s=size: inf(text=PROMPT, image_shapes=(s, s), **t2i), dev, args.reps, args.warmup)
+    out["edit"] = timed(lambda: inf(image=png_image, text="make it blue", cfg_text_scale=4.0, cfg_img_scale=2.0,
+                                    cfg_interval=[0.0, 1.0], timestep_shift=3.0, num_timesteps=args.steps,
+                                    cfg_renorm_type="text_channel"), dev, args.reps, args.warmup)
+    und = dict(understanding_output=True, do_sample=False)
+    out["understand_ttft"] = timed(lambda: inf(image=png_image, text="describe the image", max_think_token_n=2, **und),
+                                   dev, args.reps, args.warmup)
+    one_answer = timed(lambda: inf(image=png_image, text="describe the image", max_think_token_n=args.max_tokens + 1, **und),
+                       dev, args.reps, args.warmup)
+    out["understand_tokens_per_s"] = args.max_tokens / one_answer["median_s"]  # one request at a time, any concurrency
+    del model, vae
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the tiny random checkpoint (smoke test)")
+    ap.add_argument("--ckpt", type=Path, help="checkpoint directory (full-size random weights written there if absent)")
+    ap.add_argument("--reference", type=Path, help="an extracted github.com/ByteDance-Seed/Bagel tree: the baseline")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 512])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--two-gpu", action="store_true")
+    args = ap.parse_args()
+
+    import io
+
+    import torch
+
+    from mstar.models.bagel.demo import write_checkpoint, write_full_checkpoint
+    from mstar.models.bagel.flow import FlowParams
+    from mstar.models.bagel.media import Fit
+    from mstar.models.bagel.pipeline import BagelPipeline
+
+    if args.tiny:
+        args.sizes, args.steps, args.concurrency, args.max_tokens = [64, 32], 4, [1, 2], 4
+        args.reps, args.warmup = 1, 0
+        args.vae_image, args.vit_image = (96, 48), (70, 42)
+    else:
+        args.vae_image, args.vit_image = (1024, 512), (980, 224)
+    ckpt = args.ckpt or Path("/tmp/bagel-bench-tiny" if args.tiny else "/tmp/bagel-bench-full")
+    if not (ckpt / "ema.safetensors").exists():
+        write_checkpoint(ckpt) if args.tiny else write_full_checkpoint(ckpt, device=args.device)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    image = test_image(args.sizes[0], args.sizes[0] * 3 // 4 // 16 * 16)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    png = buf.getvalue()
+    record: dict = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
+                    "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+
+    pipe = BagelPipeline(ckpt, args.device, dtype, Fit(*args.vae_image, 16), Fit(*args.vit_image, 14))
+    ours: dict = {}
+    for size in args.sizes:
+        p = FlowParams(size, size, args.steps)
+        ours[f"t2i_{size}"] = timed(lambda p=p: pipe.run("text_to_image", PROMPT, params=p, seed=1), args.device,
+                                    args.reps, args.warmup)
+    ours["edit"] = timed(lambda: pipe.run("edit", "make it blue", image, params=FlowParams(0, 0, args.steps, cfg_img=2.0,
+                         interval=(0.0, 1.0), renorm="text_channel"), seed=1), args.device, args.reps, args.warmup)
+    peak = bf16_peak_tflops(args.device)
+    record["flops"] = {"bf16_peak_tflops": peak, **flop_floor(pipe, args.sizes[0], args.steps, peak)}
+    pipe = None  # frees its weights before the served and reference runs load theirs
+    kwargs = {"checkpoint": str(ckpt), "vae_image": list(args.vae_image), "vit_image": list(args.vit_image)}
+    record["ours_pipeline"] = ours
+    record["ours_served"] = served(args, kwargs, png)
+    if args.two_gpu:
+        record["two_gpu"] = two_gpu(args, kwargs)
+    if args.reference:
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+        record["reference"] = reference(args, ckpt, image)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""BAGEL's language model on the paged KV cache: Qwen2.5 with QK-norm, each layer a Mixture of
+Transformers. Every layer holds two experts with the same shapes (norms, q/k/v/o, q/k-norm, MLP):
+the understanding expert (text, ViT tokens, the vision markers) and the generation expert (VAE
+latent tokens). Each token goes through its expert's projections, but attention is one softmax
+over every token of the sequence, whichever expert wrote its K/V.
+
+The KV-cache engine calls ``forward(embeds, positions, ctx)`` with no notion of experts, so the
+caller names the pass's generation rows first: ``with llm.routed(gen_rows): engine.forward(...)``
+(a bool per row of the pass, in item order; None: all understanding). Passes run one at a time
+(the node group's forward thread), so one routing slot is enough.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.models.bagel.config import LLMConfig
+from mstar.services.engines.layers import ForwardContext, RMSNorm, RotaryEmbedding
+
+
+class Expert(nn.Module):
+    """One expert's half of a layer."""
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=True)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, d)
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed q | k | v rows ([n, (Hq + 2 Hkv) * D]), QK-norm applied per head."""
+        hq, hkv, d = self.heads
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, hq, d))
+        k = self.k_norm(self.k_proj(x).view(n, hkv, d))
+        return torch.cat([q.reshape(n, -1), k.reshape(n, -1), self.v_proj(x)], dim=-1)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Routing:
+    """Which rows of a pass go to which expert; ``apply`` runs each row through its own."""
+
+    def __init__(self, gen_rows: torch.Tensor | None, device: torch.device):
+        self.und_idx = self.gen_idx = None
+        if gen_rows is not None and bool(gen_rows.any()):
+            gen_rows = gen_rows.to(device)
+            self.gen_idx = gen_rows.nonzero().squeeze(1)
+            if not bool(gen_rows.all()):
+                self.und_idx = (~gen_rows).nonzero().squeeze(1)
+        self.all_gen = self.gen_idx is not None and self.und_idx is None
+
+    def apply(self, x: torch.Tensor, und: Callable, gen: Callable) -> torch.Tensor:
+        if self.gen_idx is None:
+            return und(x)
+        if self.all_gen:
+            return gen(x)
+        yu, yg = und(x[self.und_idx]), gen(x[self.gen_idx])
+        out = yu.new_empty((x.shape[0], *yu.shape[1:]))
+        out[self.und_idx] = yu
+        out[self.gen_idx] = yg
+        return out
+
+
+class MoTLayer(nn.Module):
+    def __init__(self, cfg: LLMConfig, index: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.und, self.gen = Expert(cfg), Expert(cfg)
+        self.index, self.rope = index, rope
+        self.sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, route: Routing) -> torch.Tensor:
+        n, (hq, hkv, d) = x.shape[0], self.heads
+        h = route.apply(x, lambda t: self.und.qkv(self.und.input_norm(t)), lambda t: self.gen.qkv(self.gen.input_norm(t)))
+        q, k, v = h.split(self.sizes, dim=-1)
+        q, k = self.rope(q.reshape(n, hq, d), k.reshape(n, hkv, d), positions)
+        if getattr(ctx.backend, "fuses_rope_store", False):
+            raise ValueError(f"attention backend '{ctx.backend.name}' applies RoPE itself; BAGEL's QK-norm comes first")
+        kv_layer = ctx.kv[self.index]
+        ctx.ops.store_kv(kv_layer, ctx.slots, k, v.reshape(n, hkv, d).contiguous())
+        o = ctx.backend.run(q, kv_layer[0], kv_layer[1]).reshape(n, hq * d)
+        x = x + route.apply(o, self.und.o_proj, self.gen.o_proj)
+        return x + route.apply(x, lambda t: self.und.mlp(self.und.post_norm(t)),
+                               lambda t: self.gen.mlp(self.gen.post_norm(t)))
+
+
+class BagelLLM(nn.Module):
+    """A ``PagedDecoder`` for the KV-cache engine (embed / forward / compute_logits)."""
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, None, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(MoTLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm_gen = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._gen_rows: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def routed(self, gen_rows: torch.Tensor | None):
+        """The next pass's generation rows (bool [rows]); understanding for the rest."""
+        self._gen_rows = gen_rows
+        try:
+            yield
+        finally:
+            self._gen_rows = None
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        route = Routing(self._gen_rows, embeds.device)
+        if self._gen_rows is not None and self._gen_rows.shape[0] != embeds.shape[0]:
+            raise ValueError(f"routing names {self._gen_rows.shape[0]} rows; the pass has {embeds.shape[0]}")
+        h = embeds
+        for layer in self.layers:
+            h = layer(h, positions, ctx, route)
+        return route.apply(h, self.norm, self.norm_gen)
+
+    def compute_logits(self, hidden: torch.Tensor, vocab_ranges: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+        if vocab_ranges:
+            raise ValueError("BAGEL computes logits over the whole vocabulary")
+        return self.lm_head(hidden)
