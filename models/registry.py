@@ -24,6 +24,8 @@ _REGISTRY: dict[str, str] = {
 _REQUEST_SCHEMAS: dict[str, str] = {
     "toy": "mstar.models.toy.knobs:ToyRequest",
     "orpheus": "mstar.models.orpheus.knobs:OrpheusRequest",
+    "pi05": "mstar.models.pi05.knobs:Pi05Request",
+    "vjepa2": "mstar.models.vjepa2.knobs:VJepa2Request",
     "bagel": "mstar.models.bagel.schema:BagelRequest",
 }
 

@@ -32,8 +32,10 @@ from mstar.models.base import (
     WalkSeed,
 )
 from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Loop, Modality, Sequential, Walk
+from mstar.models.knobs import KnobError
 from mstar.models.pi05.config import Pi05Config, config_from_json
 from mstar.models.pi05.images import decode_image
+from mstar.models.pi05.knobs import MAX_STATE_DIM, Pi05Request, Pi05Settings
 from mstar.models.pi05.prompt import PromptTokenizer, discretize, pad_tokens, prompt_text
 from mstar.models.pi05.stats import NormStats, load_norm_stats
 
@@ -41,11 +43,12 @@ DEFAULT_CHECKPOINT = "lerobot/pi05_base"
 HELP = ("put the checkpoint (model.safetensors, config.json, the PaliGemma tokenizer.json or tokenizer.model, and "
         "its normalisation statistics) in --cache-dir (HF cache layout or <cache-dir>/org/name), or serve with "
         "--random-weights for a tiny random demo checkpoint")
-MAX_STATE_DIM = 32
 
 
 class Pi05Model(Model):
     name = "pi05"
+    config_schema = Pi05Settings
+    request_schema = Pi05Request
     nodes = (GraphNode("vit_encoder"), GraphNode("llm_prefix"), GraphNode("action_expert"))
 
     def build_walks(self) -> list[Walk]:
@@ -115,9 +118,10 @@ class Pi05Model(Model):
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        for key in kwargs:
-            if key not in ("state", "seed"):
-                raise InvalidArgument(f"model_kwargs.{key}", "unknown key; allowed: seed, state")
+        try:  # types, ranges and unknown keys; then what a type cannot say (finite numbers)
+            Pi05Request.parse(kwargs, model=self.name, sep=": ")
+        except KnobError as e:
+            raise InvalidArgument(e.key, e.description) from None
         state = kwargs.get("state")
         if not isinstance(state, list) or not state or any(isinstance(v, bool) or not isinstance(v, int | float)
                                                            for v in state):

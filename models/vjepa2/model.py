@@ -36,6 +36,7 @@ from mstar.models.base import (
 from mstar.models.graph import EMIT_TO_CLIENT, INPUT, GraphEdge, GraphNode, Loop, Modality, Sequential, Walk
 from mstar.models.vjepa2 import cem, media, requests, weights
 from mstar.models.vjepa2.config import VJepa2Config
+from mstar.models.vjepa2.knobs import VJepa2Request, VJepa2Settings
 
 DEFAULT_CHECKPOINT = "facebook/vjepa2-vitl-fpc64-256"
 DEFAULT_AC_CHECKPOINT = "facebook/vjepa2-ac-vitg"  # a directory holding vjepa2-ac-vitg.pt
@@ -50,6 +51,8 @@ def _emit(src: str, name: str, modality=Modality.LATENT, **kw) -> GraphEdge:
 
 class VJepa2Model(Model):
     name = "vjepa2"
+    config_schema = VJepa2Settings
+    request_schema = VJepa2Request
     nodes = (GraphNode("video_encoder"), GraphNode("predictor"), GraphNode("ac_predictor"))
 
     def build_walks(self) -> list[Walk]:

@@ -19,11 +19,10 @@ import math
 from typing import Any
 
 from mstar.models.base import InvalidArgument
+from mstar.models.knobs import KnobError
 from mstar.models.vjepa2.cem import CEMConfig
+from mstar.models.vjepa2.knobs import MAX_CEM_STEPS, MAX_SAMPLES, TASKS, VJepa2Request
 
-TASKS = ("encode", "predict", "rollout", "plan")
-MAX_CEM_STEPS = 100
-MAX_SAMPLES = 4096
 _INT_KNOBS = {"rollout": (1, 31), "samples": (1, MAX_SAMPLES), "topk": (1, MAX_SAMPLES), "cem_steps": (1, MAX_CEM_STEPS),
               "close_gripper": (0, 31), "seed": (0, 2**63 - 1), "frame_step": (1, 64)}
 _FLOAT_KNOBS = {"momentum_mean": (0.0, 1.0), "momentum_std": (0.0, 1.0), "momentum_mean_gripper": (0.0, 1.0),
@@ -66,6 +65,12 @@ def ids(key: str, v: Any) -> list[int]:
 
 
 def validate(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The request's knobs as given (their types and ranges checked by ``VJepa2Request``), with
+    what a type cannot say checked too; defaults are filled where each task uses them."""
+    try:
+        VJepa2Request.parse(kwargs, model="vjepa2", sep=": ")
+    except KnobError as e:
+        raise InvalidArgument(e.key, e.description) from None
     out: dict[str, Any] = {}
     for key, v in kwargs.items():
         if key not in ALLOWED:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-DATA = Path(__file__).resolve().parent / "data"
+from bagel_checks import DATA  # noqa: F401 (fixtures here use it)
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +48,3 @@ def pipeline(ckpt_dir, reference):
     return BagelPipeline(ckpt_dir, vae_fit=Fit(*meta["vae_fit"]), vit_fit=Fit(*meta["vit_fit"]))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| over max |b|."""
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))

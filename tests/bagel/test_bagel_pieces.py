@@ -7,7 +7,7 @@ Qwen2 has none). Non-square inputs throughout."""
 
 import pytest
 import torch
-from conftest import rel_err
+from bagel_checks import rel_err
 from safetensors.torch import load_file
 
 from mstar.models.bagel.config import BagelConfig, SpecialTokens, ViTConfig, config_from_dir

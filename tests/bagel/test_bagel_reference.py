@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import rel_err
+from bagel_checks import rel_err
 
 from mstar.models.bagel.flow import FlowParams, cfg_combine, draw_noise
 from mstar.services.engines.kv_engine import ForwardItem
@@ -20,7 +20,7 @@ TOL = 1e-4
 
 
 def reference_tensors():
-    from conftest import DATA
+    from bagel_checks import DATA
     from safetensors.torch import load_file
 
     return load_file(str(DATA / "bagel_reference.safetensors"))

@@ -3,12 +3,15 @@
 data/README.md says. The reference recomputes the whole context every rollout step; ours feeds
 each frame once through a K/V cache."""
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import DATA
 
 from mstar.models.vjepa2 import cem, rollout, weights
 from mstar.models.vjepa2.pose import new_pose
+
+DATA = Path(__file__).resolve().parent / "data"  # this folder's reference outputs
 
 P, E = 9, 32
 

@@ -4,12 +4,12 @@ the reference computed); bad inputs are INVALID_ARGUMENT naming the field."""
 
 import io
 import json
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import DATA
 
 from mstar import wire
 from mstar.config import parse_config
@@ -18,6 +18,8 @@ from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, run
 from inprocess import inprocess_mesh
+
+DATA = Path(__file__).resolve().parent / "data"  # this folder's reference outputs
 
 P, E = 9, 32
 
