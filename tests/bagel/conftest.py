@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bagel_checks import DATA  # noqa: F401 (fixtures here use it)
+from bagel_checks import DATA
 
 
 @pytest.fixture(scope="session")
