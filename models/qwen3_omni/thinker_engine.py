@@ -1,0 +1,185 @@
+"""The Thinker's sequence engine: the surface ``EngineNode`` drivers step (``submit``, ``release``,
+``has_work``, ``step``), over the MoE model and a slot KV cache of its own.
+
+A step prefills the sequences submitted since the last one (one pass each: token and media
+embeddings, DeepStack rows, M-RoPE positions) and decodes every other running sequence in one
+batched pass. Each output carries, besides the sampled token, the embedding of the token the
+step read (what the Talker's text stream is made of) and, for a prefill, the rows the Talker's
+prompt needs (token embeddings, or the ``accept_hidden_layer`` state for media rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from mstar.metrics import KvStats
+from mstar.models.qwen3_omni.cache import Decode, Prefill, SlotCache
+from mstar.models.qwen3_omni.positions import decode_positions
+from mstar.models.qwen3_omni.sampling import Sampling, sample
+from mstar.models.qwen3_omni.thinker import Thinker
+from mstar.services.engines.sequence import SeqStatus
+
+
+class OmniOut(NamedTuple):
+    """One step's output for one request (the fields ``EngineDriver`` reads, plus ``extra``)."""
+
+    request_id: str
+    token_id: int | None
+    status: SeqStatus
+    kv: Any = None
+    error: str | None = None
+    extra: dict | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status > SeqStatus.PREEMPTED
+
+
+@dataclass(frozen=True)
+class ThinkerStart:
+    prompt_ids: torch.Tensor  # [L] int64
+    positions: torch.Tensor  # [3, L] M-RoPE positions
+    delta: int  # decode token i sits at L + i + delta
+    sampling: Sampling
+    max_tokens: int
+    stop_ids: tuple[int, ...]
+    media: dict[str, torch.Tensor] = field(default_factory=dict)  # id -> rows for its placeholders
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # per layer, rows for the visual placeholders
+    visual_ids: tuple[int, ...] = ()  # placeholder ids DeepStack rows go to (image, video)
+    talker_rows: torch.Tensor | None = None  # prompt rows the Talker reads
+    talker_mm: torch.Tensor | None = None  # of those, which read the captured layer (media rows)
+    seed: int | None = None
+
+
+@dataclass(eq=False)
+class _Seq:
+    rid: str
+    work: ThinkerStart
+    slot: int
+    length: int = 0  # tokens with K/V in the cache
+    last: int = 0  # the last sampled token (the next step's input)
+    outputs: int = 0
+    generator: torch.Generator | None = None
+
+
+class ThinkerEngine:
+    def __init__(self, model: Thinker, capture_layer: int, max_num_seqs: int, max_seq_len: int):
+        p = next(model.parameters())
+        self.model, self.device, self.dtype = model, p.device, p.dtype
+        c = model.cfg
+        self.cache = SlotCache(c.num_layers, max_num_seqs, max_seq_len, c.num_kv_heads, c.head_dim, p.device, p.dtype)
+        self.capture = capture_layer
+        self.new: list[_Seq] = []
+        self.running: dict[str, _Seq] = {}
+        self.steps = 0
+
+    # -- the driver's surface ------------------------------------------------------------------
+    def submit(self, rid: str, work: ThinkerStart) -> None:
+        if rid in self.running or any(s.rid == rid for s in self.new):
+            raise ValueError(f"request {rid} already has a Thinker sequence")
+        n = work.prompt_ids.numel()
+        if n + work.max_tokens > self.cache.max_len:
+            raise ValueError(f"prompt of {n} tokens + max_tokens={work.max_tokens} exceeds max_seq_len={self.cache.max_len}")
+        gen = None
+        if not work.sampling.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.new.append(_Seq(rid, work, self.cache.take(), generator=gen))
+
+    def release(self, rid: str) -> None:
+        seq = self.running.pop(rid, None)
+        for s in self.new:
+            if s.rid == rid:
+                seq = s
+        self.new = [s for s in self.new if s.rid != rid]
+        if seq is not None:
+            self.cache.give_back(seq.slot)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.new) or bool(self.running)
+
+    @torch.inference_mode()
+    def step(self) -> list[OmniOut]:
+        decoding = list(self.running.values())
+        outs = [self._prefill(s) for s in self.new]
+        self.new = []
+        if decoding:
+            outs += self._decode(decoding)
+        self.steps += 1
+        return outs
+
+    def kv_stats(self) -> KvStats:
+        slots = len(self.cache.k[0]) if self.cache.k else 0
+        return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
+
+    def close(self) -> None:
+        pass
+
+    def follow(self) -> None:
+        raise TypeError("the Thinker engine does not run tensor-parallel")
+
+    def exit_reason(self) -> str | None:
+        return None
+
+    # -- passes ------------------------------------------------------------------------------
+    def _prefill(self, s: _Seq) -> OmniOut:
+        w = s.work
+        ids = w.prompt_ids.to(self.device)
+        embeds = self.model.embed(ids)
+        for token, rows in w.media.items():
+            where = (ids == token).nonzero()[:, 0]
+            if where.numel() != rows.shape[0]:
+                raise ValueError(f"{where.numel()} placeholders of id {token}, {rows.shape[0]} media rows")
+            embeds = embeds.index_copy(0, where, rows.to(self.device, self.dtype))
+        deep = None
+        if w.deepstack:
+            vis = torch.isin(ids, torch.tensor(w.visual_ids, device=self.device)).nonzero()[:, 0]
+            deep = (vis, [d.to(self.device, self.dtype) for d in w.deepstack])
+        capture = self.capture if w.talker_rows is not None else None
+        ctx = Prefill(self.cache, s.slot, 0, ids.numel())
+        hidden, captured = self.model(embeds, w.positions.to(self.device), ctx, capture, deep)
+        s.length = ids.numel()
+        extra: dict[str, torch.Tensor] = {}
+        if w.talker_rows is not None:
+            rows = w.talker_rows.to(self.device)
+            mm = w.talker_mm.to(self.device) if w.talker_mm is not None else torch.zeros_like(rows, dtype=torch.bool)
+            src = torch.where(mm[:, None], captured[rows], embeds[rows])  # type: ignore[index]
+            extra["talker_prompt"] = src
+        token = int(self._sample(self.model.logits(hidden[-1:]), [s])[0])
+        return self._advance(s, token, extra)
+
+    def _decode(self, seqs: list[_Seq]) -> list[OmniOut]:
+        ids = torch.tensor([s.last for s in seqs], device=self.device)
+        embeds = self.model.embed(ids)
+        pos = torch.cat([decode_positions(s.work.prompt_ids.numel(), s.work.delta, 1, s.outputs - 1) for s in seqs], 1)
+        lengths = [s.length for s in seqs]
+        ctx = Decode(self.cache, torch.tensor([s.slot for s in seqs], device=self.device),
+                     torch.tensor(lengths, device=self.device), max(lengths) + 1)
+        hidden, _ = self.model(embeds, pos.to(self.device), ctx)
+        tokens = self._sample(self.model.logits(hidden), seqs).tolist()
+        outs = []
+        for i, (s, t) in enumerate(zip(seqs, tokens, strict=True)):
+            s.length += 1
+            outs.append(self._advance(s, int(t), {"input_embed": embeds[i]}))
+        return outs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+        return sample(logits.float(), [s.work.sampling for s in seqs], [s.generator for s in seqs])
+
+    def _advance(self, s: _Seq, token: int, extra: dict) -> OmniOut:
+        s.last, s.outputs = token, s.outputs + 1
+        status = SeqStatus.RUNNING
+        if token in s.work.stop_ids:
+            status = SeqStatus.FINISHED_STOPPED
+        elif s.outputs >= s.work.max_tokens:
+            status = SeqStatus.FINISHED_LENGTH
+        if status.finished:
+            self.running.pop(s.rid, None)
+            self.cache.give_back(s.slot)
+        else:
+            self.running[s.rid] = s
+        return OmniOut(s.rid, token, status, extra=extra)
