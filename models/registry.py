@@ -16,6 +16,7 @@ _REGISTRY: dict[str, str] = {
     "orpheus": "mstar.models.orpheus.model:OrpheusModel",
     "vjepa2": "mstar.models.vjepa2.model:VJepa2Model",
     "pi05": "mstar.models.pi05.model:Pi05Model",
+    "qwen3_omni": "mstar.models.qwen3_omni.model:Qwen3OmniModel",
 }
 
 # name -> "module:Class" of its request knobs (mstar.models.knobs.Knobs; no torch imported):
@@ -23,6 +24,7 @@ _REGISTRY: dict[str, str] = {
 _REQUEST_SCHEMAS: dict[str, str] = {
     "toy": "mstar.models.toy.knobs:ToyRequest",
     "orpheus": "mstar.models.orpheus.knobs:OrpheusRequest",
+    "qwen3_omni": "mstar.models.qwen3_omni.knobs:OmniRequest",
 }
 
 _MODELS_DIR = Path(__file__).resolve().parent

@@ -23,6 +23,24 @@ class Thinker(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
+    def prompt_embeds(self, ids: torch.Tensor, media: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Token embeddings with each placeholder id's rows replaced by its media rows, in order."""
+        embeds = self.embed(ids)
+        for token, rows in media.items():
+            where = (ids == token).nonzero()[:, 0]
+            if where.numel() != rows.shape[0]:
+                raise ValueError(f"{where.numel()} placeholders of id {token}, {rows.shape[0]} media rows")
+            embeds = embeds.index_copy(0, where, rows.to(embeds.device, embeds.dtype))
+        return embeds
+
+    @staticmethod
+    def deepstack_rows(ids: torch.Tensor, visual_ids: tuple[int, ...], feats: list[torch.Tensor]):
+        """The ``deepstack`` argument: the visual placeholders' rows and the features added there."""
+        if not feats:
+            return None
+        rows = torch.isin(ids, torch.tensor(visual_ids, device=ids.device)).nonzero()[:, 0]
+        return rows, feats
+
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx, capture: int | None = None,
                 deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None):
         """embeds [N, H], positions [3, N] -> (final hidden [N, H], layer ``capture``'s output or None)."""

@@ -129,16 +129,8 @@ class ThinkerEngine:
     def _prefill(self, s: _Seq) -> OmniOut:
         w = s.work
         ids = w.prompt_ids.to(self.device)
-        embeds = self.model.embed(ids)
-        for token, rows in w.media.items():
-            where = (ids == token).nonzero()[:, 0]
-            if where.numel() != rows.shape[0]:
-                raise ValueError(f"{where.numel()} placeholders of id {token}, {rows.shape[0]} media rows")
-            embeds = embeds.index_copy(0, where, rows.to(self.device, self.dtype))
-        deep = None
-        if w.deepstack:
-            vis = torch.isin(ids, torch.tensor(w.visual_ids, device=self.device)).nonzero()[:, 0]
-            deep = (vis, [d.to(self.device, self.dtype) for d in w.deepstack])
+        embeds = self.model.prompt_embeds(ids, w.media)
+        deep = self.model.deepstack_rows(ids, w.visual_ids, [d.to(self.device, self.dtype) for d in w.deepstack])
         capture = self.capture if w.talker_rows is not None else None
         ctx = Prefill(self.cache, s.slot, 0, ids.numel())
         hidden, captured = self.model(embeds, w.positions.to(self.device), ctx, capture, deep)
