@@ -1,0 +1,153 @@
+"""Qwen3-Omni served by the in-process mesh (real gRPC on loopback), in one node group and split
+over three: the text and audio streamed to the client equal the direct call's on the same tiny
+checkpoint; a text-only request never starts the Talker; bad input is INVALID_ARGUMENT naming
+the field."""
+
+import asyncio
+import dataclasses
+import io
+import json
+import math
+import struct
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from mstar.config import load_config
+from mstar.models.qwen3_omni.direct import generate
+from mstar.models.qwen3_omni.media import MediaDecoder
+from mstar.models.qwen3_omni.prompt import MediaTokens, build_prompt
+from mstar.v1 import conductor_pb2 as cpb
+
+from helpers import collect, run, wait_released
+from inprocess import inprocess_mesh
+
+CONFIGS = "models/qwen3_omni/configs"
+GREEDY = dict(temperature=0.0, talker_temperature=0.0)
+
+
+def ask(text, files=(), **kw):
+    return cpb.GenerateRequest(model="qwen3_omni", text=text, model_kwargs_json=json.dumps(kw),
+                               files=[cpb.InputFile(name=n, content_type=t, data=d) for n, t, d in files])
+
+
+def wav_bytes(seconds=1.3, rate=16000):
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        n = int(seconds * rate)
+        w.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(i * 0.05))) for i in range(n)))
+    return buf.getvalue()
+
+
+def png_bytes():
+    from PIL import Image
+
+    img = Image.fromarray((np.arange(32 * 48 * 3).reshape(32, 48, 3) % 251).astype(np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def config(name, checkpoint):
+    c = load_config(f"{CONFIGS}/{name}.yaml")
+    return dataclasses.replace(c, model_kwargs={**c.model_kwargs, "checkpoint": checkpoint})
+
+
+def direct(parts, tokenizer, text, max_tokens, frames, files=()):
+    """The direct call on what the conductor makes of the request (prompt ids, media rows)."""
+    i = parts.cfg.ids
+    ends = [tokenizer.token_to_id(t) for t in ("<|audio_end|>", "<|vision_end|>")]
+    media = MediaDecoder(parts.cfg, parts.reader.directory, 300, 1280 * 28 * 28 * 4, 1 << 26).decode(
+        [type("F", (), {"name": n, "content_type": t, "data": d})() for n, t, d in files])
+    ids = build_prompt(lambda s: tokenizer.encode(s, add_special_tokens=False).ids, i, MediaTokens(*ends), text,
+                       None, media.audio_rows, media.image_rows)
+    kw = {}
+    with torch.no_grad():
+        if media.audio_lengths:
+            kw |= dict(audio_embeds=parts.audio(media.audio_features, torch.tensor(media.audio_lengths)),
+                       audio_rows=media.audio_rows)
+        if media.grids:
+            merged, deep = parts.vision(media.pixels, torch.tensor(media.grids))
+            kw |= dict(image_embeds=merged, deepstack=deep, image_grids=media.grids)
+    return generate(parts, ids, max_tokens=max_tokens, talker_max_tokens=frames, chunk=10, left_context=25, **kw)
+
+
+def pcm_of(chunks):
+    return np.frombuffer(b"".join(c.data for c in chunks), dtype=np.int16)
+
+
+def expected_pcm(audio: torch.Tensor):
+    return np.rint(np.clip(audio.numpy(), -1, 1) * np.float32(32767)).astype(np.int16)
+
+
+@pytest.mark.parametrize("layout", ["default", "split"])
+def test_served_stream_equals_direct_call(checkpoint, parts, tokenizer, layout):
+    prompts = [("Hello there, how are you?", 20, 40), ("Tell me a story.", 6, 30)]
+    files = [("clip.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes())]
+
+    async def go():
+        async with inprocess_mesh(config(layout, checkpoint)) as mesh:
+            reqs = [ask(t, max_tokens=n, max_audio_frames=f, **GREEDY) for t, n, f in prompts]
+            reqs.append(ask("What is this?", files, max_tokens=8, max_audio_frames=20, **GREEDY))
+            res = await asyncio.gather(*(collect(mesh.stub, r, timeout=120) for r in reqs))  # served together
+            await wait_released(mesh)
+            return res
+
+    res = run(go(), timeout=240)
+    cases = [(t, n, f, ()) for t, n, f in prompts] + [("What is this?", 8, 20, files)]
+    for (out, final), (text, n, frames, fl) in zip(res, cases, strict=True):
+        want = direct(parts, tokenizer, text, n, frames, fl)
+        got_ids = [t for c in out["text"] for t in c.token_ids]
+        assert got_ids == want.tokens[: len(got_ids)] and len(got_ids) == len(want.tokens)
+        assert final.usage.completion_tokens == len(want.tokens)
+        pcm, ref = pcm_of(out["audio"]), expected_pcm(want.audio)
+        assert len(out["audio"]) > 1 and pcm.shape == ref.shape  # streamed in chunks, every sample there
+        assert np.abs(pcm.astype(np.int32) - ref).max() <= 3  # batched steps may round differently than alone
+        assert final.usage.audio_seconds == pytest.approx(len(ref) / 24000)
+        assert {c.sample_rate_hz for c in out["audio"]} == {24000}
+
+
+def test_text_only_never_starts_the_talker(checkpoint):
+    async def go():
+        async with inprocess_mesh(config("default", checkpoint)) as mesh:
+            out, final = await collect(mesh.stub, ask("Hi", modalities=["text"], max_tokens=5, **GREEDY), timeout=60)
+            talker = mesh.runtime("omni").submodules["talker"].engine
+            assert talker.steps == 0 and "audio" not in out
+            assert len([t for c in out["text"] for t in c.token_ids]) == 5 and final.finish_reason == "length"
+            await wait_released(mesh)
+
+    run(go(), timeout=120)
+
+
+BAD = [
+    ({"voice": "nobody"}, (), "model_kwargs.voice"),
+    ({"modalities": ["audio"]}, (), "model_kwargs.modalities"),
+    ({"max_tokens": 0}, (), "model_kwargs.max_tokens"),
+    ({"temprature": 0.5}, (), "model_kwargs.temprature"),
+    ({}, (("x.wav", "audio/wav", b"RIFF-not-a-wav"),), "files[0]"),
+    ({}, (("x.png", "image/png", b"\x89PNG broken"),), "files[0]"),
+    ({}, (("a.wav", "audio/wav", wav_bytes(0.5)), ("x.bin", "application/octet-stream", b"?")), "files[1]"),
+    ({}, (("long.wav", "audio/wav", wav_bytes(3.0, rate=8000)),), "files[0]"),  # over max_audio_seconds
+]
+
+
+def test_bad_input_is_invalid_argument_naming_the_field(checkpoint):
+    import grpc
+
+    async def go():
+        cfg = config("default", checkpoint)
+        cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, "max_audio_seconds": 2.0})
+        async with inprocess_mesh(cfg) as mesh:
+            for kw, files, field in BAD:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(mesh.stub, ask("Hello", files, **kw), timeout=30)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, e.value.details())
+                assert e.value.details().startswith(field + ":"), e.value.details()
+            await wait_released(mesh)
+
+    run(go(), timeout=60)
