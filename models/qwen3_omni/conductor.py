@@ -57,5 +57,5 @@ def build_request(model: Qwen3OmniModel, prompt: Prompt) -> RequestState:
         encode_inputs = {"audio_features": media.audio_features, "audio_lengths": torch.tensor(media.audio_lengths, dtype=torch.int64),
                          "pixels": media.pixels, "image_grids": torch.tensor(media.grids, dtype=torch.int64).reshape(-1, 3)}
     state.data.update(encode=encode_inputs, prefill=prefill, speak=speak, ids=[], text="", ended=False,
-                      stop_ids={ids.im_end})
+                      stop_ids=set() if kw["ignore_eos"] else {ids.im_end})
     return state

@@ -43,7 +43,8 @@ class Parts:
     def specials(self) -> torch.Tensor:
         """The Thinker's embeddings of tts_bos, tts_eos, tts_pad (rows read from the checkpoint)."""
         i = self.cfg.ids
-        return self.reader.rows("thinker.model.embed_tokens.weight", [i.tts_bos, i.tts_eos, i.tts_pad])
+        shape = (self.cfg.text.vocab_size, self.cfg.text.hidden_size)
+        return self.reader.rows("thinker.model.embed_tokens.weight", [i.tts_bos, i.tts_eos, i.tts_pad], shape)
 
 
 def load_parts(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,

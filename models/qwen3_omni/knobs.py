@@ -51,6 +51,7 @@ class OmniRequest(Knobs):
     talker_top_p: float = Field(1.0, gt=0, le=1, description="the Talker's nucleus sampling")
     talker_repetition_penalty: float = Field(1.05, ge=1, le=2, description="penalty on codes the Talker drew")
     seed: int | None = Field(None, ge=0, lt=2**62, description="sampling seed; None: random")
+    ignore_eos: bool = Field(False, description="benchmarks: run to max_tokens / max_audio_frames, never stopping early")
 
     RENAMED = {"max_output_tokens": "M* calls it max_tokens", "max_new_tokens": "M* calls it max_tokens",
                "speaker": "M* calls it voice", "return_audio": 'M* says modalities: ["text", "audio"]'}

@@ -56,7 +56,7 @@ class ThinkerNode(EngineNode):
         deep = list(i["deepstack"].unbind(0)) if i["image_embeds"].numel() else []
         rows = i["talker_rows"]
         return ThinkerStart(i["prompt_ids"], i["positions"], int(i["delta"]), Sampling(kw["temperature"], kw["top_k"], kw["top_p"]),
-                            kw["max_tokens"], self.stop, media, deep, (self.cfg.ids.image, self.cfg.ids.video),
+                            kw["max_tokens"], () if kw["ignore_eos"] else self.stop, media, deep, (self.cfg.ids.image, self.cfg.ids.video),
                             rows if rows.numel() else None, i["talker_mm"] if rows.numel() else None, kw["seed"])
 
     def outputs(self, call: NodeCall, out: OmniOut | None) -> dict[str, torch.Tensor]:
@@ -102,7 +102,7 @@ class TalkerNode(EngineNode):
                 return None
             return TalkerStart(i["talker_prompt"], i["talker_mm"], row, int(i["speaker"]), i["talker_positions"],
                                int(i["talker_delta"]), Sampling(kw["talker_temperature"], kw["talker_top_k"], kw["talker_top_p"]),
-                               kw["max_audio_frames"], kw["talker_repetition_penalty"], kw["seed"])
+                               kw["max_audio_frames"], kw["talker_repetition_penalty"], kw["seed"], kw["ignore_eos"])
         return TalkerFeed(row)
 
     def outputs(self, call: NodeCall, out: OmniOut | None) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ class TalkerStart:
     max_tokens: int
     repetition_penalty: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # never draw the end of speech (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class TalkerEngine:
         seqs = [s for s, _ in rows]
         hidden = torch.stack([h for _, h in rows])
         logits = self.model.code0_logits(hidden, [s.code0 for s in seqs], [s.start.repetition_penalty for s in seqs])
+        no_eos = [k for k, s in enumerate(seqs) if s.start.ignore_eos]
+        if no_eos:
+            logits[no_eos, self.ids.codec_eos] = float("-inf")
         code0 = sample(logits, [s.start.sampling for s in seqs], [s.generator for s in seqs]).tolist()
         going = [k for k, c in enumerate(code0) if c != self.ids.codec_eos and len(seqs[k].code0) + 1 < seqs[k].start.max_tokens]
         frames: dict[int, torch.Tensor] = {}

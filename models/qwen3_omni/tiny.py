@@ -90,20 +90,30 @@ def build_reference(seed: int = 0):
     return model
 
 
-def build_tokenizer():
+def build_tokenizer(special_ids: dict[str, int] | None = None, role_ids: dict[str, int] | None = None):
+    """Byte-level (one id per UTF-8 byte, no merges), specials and role words at the given ids
+    (default: the tiny config's; the benchmark passes the released checkpoint's)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from mstar.models.orpheus.demo_tokenizer import _byte_alphabet
 
+    special_ids = special_ids or SPECIAL_ID
+    role_ids = role_ids or ROLE_ID
     vocab = {ch: b for b, ch in enumerate(_byte_alphabet())}
+    first = min(special_ids.values())
+    vocab |= {name: i for name, i in role_ids.items() if i < first}
+    taken = set(vocab.values())
+    vocab |= {f"<|unused_{i}|>": i for i in range(256, first) if i not in taken}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in SPECIALS])
-    tok.add_tokens([AddedToken(n, normalized=False, single_word=True) for n in ROLES])
-    for name, i in {**SPECIAL_ID, **ROLE_ID}.items():
+    by_id = {i: n for n, i in special_ids.items()}
+    names = [by_id.get(i, f"<|special_{i}|>") for i in range(first, max(special_ids.values()) + 1)]
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    tok.add_tokens([AddedToken(n, normalized=False, single_word=True) for n, i in role_ids.items() if i >= first])
+    for name, i in {**special_ids, **role_ids}.items():
         if tok.token_to_id(name) != i:
-            raise RuntimeError(f"tiny tokenizer: {name} got id {tok.token_to_id(name)}, expected {i}")
+            raise RuntimeError(f"demo tokenizer: {name} got id {tok.token_to_id(name)}, expected {i}")
     return tok
 
 

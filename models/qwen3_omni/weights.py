@@ -19,6 +19,9 @@ from torch import nn
 
 from mstar.models.hub import CheckpointError
 
+#: a checkpoint directory with this file and no weights holds random weights made on load (full-size
+#: benchmarks without writing tens of gigabytes): {"seed": int, "std": float}
+RANDOM_MARKER = "random_weights.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -28,7 +31,11 @@ class CheckpointReader:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         index, single = self.directory / INDEX_FILE, self.directory / SINGLE_FILE
-        if index.is_file():
+        marker = self.directory / RANDOM_MARKER
+        self.random: dict | None = json.loads(marker.read_text()) if marker.is_file() else None
+        if self.random is not None:
+            self.files = {}
+        elif index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map") or {}
             self.files = {name: self.directory / f for name, f in weight_map.items()}
         elif single.is_file():
@@ -60,10 +67,14 @@ class CheckpointReader:
             handle = self._open[path] = safe_open(str(path), "pt")
         return handle.get_tensor(name)  # type: ignore[attr-defined]
 
-    def rows(self, name: str, ids: list[int]) -> torch.Tensor:
+    def rows(self, name: str, ids: list[int], shape: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows ``ids`` of a 2-D tensor, reading only those (the Talker's three text-special
-        embeddings out of the Thinker's 150k-row table)."""
+        embeddings out of the Thinker's 150k-row table); ``shape``: the tensor's, for random weights."""
         from safetensors import safe_open
+
+        if self.random is not None:
+            assert shape is not None
+            return random_tensor(name, shape, self.random, "cpu", torch.float32)[ids]
 
         path = self.files.get(name)
         if path is None:
@@ -73,10 +84,31 @@ class CheckpointReader:
             return torch.stack([sl[i : i + 1][0] for i in ids])
 
 
+def random_tensor(name: str, shape, spec: dict, device, dtype) -> torch.Tensor:
+    """A parameter of a random checkpoint, the same wherever it is made (seeded by its name):
+    norm weights 1, layer scales 0.01, other vectors 0, matrices N(0, std)."""
+    import zlib
+
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) == 1:
+        norm = "norm" in name or "ln_" in name
+        return torch.full(shape, 1.0 if norm and leaf == "weight" else 0.01 if leaf == "scale" else 0.0,
+                          device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(int(spec.get("seed", 0)) * 1_000_003 + zlib.crc32(name.encode()))
+    out = torch.empty(shape, device=device, dtype=dtype)
+    return out.normal_(0.0, float(spec.get("std", 0.02)), generator=g)
+
+
 def load_module(module: nn.Module, reader: CheckpointReader, prefix: str, dtype: torch.dtype | None = None,
                 device: str | torch.device = "cpu", skip: tuple[str, ...] = ()) -> None:
     """Fill every parameter of ``module`` from ``prefix`` + its name; an absent tensor, an extra
     one under a loaded submodule, or a shape mismatch is an error naming the tensor."""
+    if reader.random is not None:
+        for target, p in list(module.named_parameters()):
+            _copy(module, target, random_tensor(prefix + target, tuple(p.shape), reader.random, device,
+                                                dtype or p.dtype), prefix + target, dtype, device)
+        module.to(device)
+        return
     own = dict(module.named_parameters())
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     done: set[str] = set()
