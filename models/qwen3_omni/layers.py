@@ -14,9 +14,18 @@ from torch import nn
 
 from mstar.models.qwen3_omni.config import DecoderConfig
 
-#: a step with at most this many (token, expert) pairs gathers each pair's expert weights (one
-#: batched matmul, no Python loop over experts); larger ones group tokens by expert
+#: without torch._grouped_mm, a step with at most this many (token, expert) pairs gathers each
+#: pair's expert weights (one batched matmul); larger ones loop over the experts hit
 GATHER_MAX_PAIRS = 64
+#: MoE paths: "grouped_mm" (tokens sorted by expert, one grouped GEMM for gate/up and one for down:
+#: no Python loop, no host sync, CUDA-graph friendly), "gather", "loop" (the naive per-expert path)
+MOE_PATHS = ("auto", "grouped_mm", "gather", "loop")
+
+
+def grouped_mm_ok(*dims: int, dtype: torch.dtype = torch.float32) -> bool:
+    """torch._grouped_mm exists and these inner dimensions meet its 16-byte stride rule."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return hasattr(torch, "_grouped_mm") and all((d * size) % 16 == 0 for d in dims)
 
 
 class RMSNorm(nn.Module):
@@ -118,15 +127,31 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, path: str = "auto") -> torch.Tensor:
         """x [T, H], index/weight [T, k] -> sum_k weight * expert_k(x)."""
         t, k = index.shape
-        if path == "gather" or (path == "auto" and t * k <= GATHER_MAX_PAIRS):
+        if path == "auto":
+            path = "grouped_mm" if grouped_mm_ok(*self.down.shape[1:], dtype=x.dtype) else \
+                "gather" if t * k <= GATHER_MAX_PAIRS else "loop"
+        if path == "grouped_mm":
+            return self._grouped_mm(x, index, weight)
+        if path == "gather":
             flat = index.reshape(-1)
             xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
             gate, up = torch.bmm(self.gate_up[flat], xs)[..., 0].chunk(2, dim=-1)
             y = torch.bmm(self.down[flat], (F.silu(gate) * up)[:, :, None])[..., 0]
             return (y.view(t, k, -1) * weight[..., None].to(y.dtype)).sum(1)
-        return self._grouped(x, index, weight)
+        return self._loop(x, index, weight)
 
-    def _grouped(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _grouped_mm(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        t, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.gate_up.shape[0]), 0).to(torch.int32)
+        token = order // k
+        gate, up = torch._grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down.transpose(1, 2), offs=offs)
+        scaled = y * weight.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, scaled)
+
+    def _loop(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one matmul pair per expert that has any (the naive path: the
         parity reference for a fused kernel, and the prefill path on a CPU)."""
         t, k = index.shape
@@ -159,7 +184,7 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size) if shared else None
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
-        self.path = "auto"  # "gather" | "grouped" | "auto" (tests pin one)
+        self.path = "auto"  # one of MOE_PATHS (tests pin one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)

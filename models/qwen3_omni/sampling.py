@@ -22,6 +22,7 @@ class Sampling:
 GREEDY = Sampling()
 
 def _warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """[R, V] logits of rows sharing ``s`` -> warped logits (-inf outside top-k / top-p)."""
     logits = logits / s.temperature
     if s.top_k > 0:
         k = min(s.top_k, logits.shape[-1])
@@ -38,14 +39,25 @@ def _warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, sampling: list[Sampling] | None,
            generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
-    """logits [B, V] -> ids [B] (int64, on the logits' device)."""
-    if sampling is None or all(s.greedy for s in sampling):
-        return logits.argmax(-1)
+    """logits [B, V] -> ids [B] (int64, on the logits' device). Rows with the same knobs are warped
+    together; unseeded rows (generator None) draw together too; a seeded row draws from its own
+    generator (one small draw each)."""
     out = logits.argmax(-1)
+    if sampling is None or all(s.greedy for s in sampling):
+        return out
+    groups: dict[Sampling, list[int]] = {}
     for row, s in enumerate(sampling):
-        if s.greedy:
-            continue
-        probs = _warp(logits[row : row + 1].float(), s).softmax(-1)
-        gen = generators[row] if generators is not None else None
-        out[row] = torch.multinomial(probs, 1, generator=gen)[0, 0]
+        if not s.greedy:
+            groups.setdefault(s, []).append(row)
+    for s, rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        probs = _warp(logits[idx].float(), s).softmax(-1)
+        gens = [generators[r] if generators is not None else None for r in rows]
+        shared = [i for i, g in enumerate(gens) if g is None]
+        if shared:
+            picked = torch.multinomial(probs[shared], 1)[:, 0]
+            out[idx[shared]] = picked
+        for i, g in enumerate(gens):
+            if g is not None:
+                out[rows[i]] = torch.multinomial(probs[i : i + 1], 1, generator=g)[0, 0]
     return out

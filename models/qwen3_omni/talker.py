@@ -87,13 +87,13 @@ class Talker(nn.Module):
         h, _ = self.model(embeds, cos, sin, ctx)
         return h
 
-    def code0_logits(self, hidden: torch.Tensor, history: list[list[int]], penalty: list[float]) -> torch.Tensor:
-        """The codec head's logits with the reference's processors: repetition penalty over the
-        code0s drawn so far, then the special ids suppressed."""
+    def code0_logits(self, hidden: torch.Tensor, seen: torch.Tensor | None = None,
+                     penalty: torch.Tensor | None = None) -> torch.Tensor:
+        """The codec head's logits with the reference's processors: repetition penalty (``penalty``
+        [B]) on the code0s each row drew so far (``seen`` [B, vocab] bool), then the special ids
+        suppressed. One pass for the batch: no per-row work."""
         logits = self.codec_head(hidden).float()
-        for row, (seen, p) in enumerate(zip(history, penalty, strict=True)):
-            if p != 1.0 and seen:
-                idx = torch.tensor(sorted(set(seen)), device=logits.device)
-                s = logits[row, idx]
-                logits[row, idx] = torch.where(s < 0, s * p, s / p)
+        if seen is not None and penalty is not None:
+            p = penalty.to(logits)[:, None]
+            logits = torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
         return logits.masked_fill(self.suppress, float("-inf"))

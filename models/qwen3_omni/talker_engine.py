@@ -18,7 +18,7 @@ import torch
 from mstar.metrics import KvStats
 from mstar.models.qwen3_omni.cache import Decode, Prefill, SlotCache
 from mstar.models.qwen3_omni.positions import decode_positions
-from mstar.models.qwen3_omni.sampling import Sampling, sample
+from mstar.models.qwen3_omni.sampling import GREEDY, Sampling, sample
 from mstar.models.qwen3_omni.talker import Talker
 from mstar.models.qwen3_omni.thinker_engine import OmniOut
 from mstar.services.engines.sequence import SeqStatus
@@ -68,6 +68,7 @@ class TalkerEngine:
         with torch.inference_mode():
             self.tts_bos, self.tts_eos, self.tts_pad = model.text_projection(specials.to(self.device, self.dtype))
         self.ids = model.omni.ids
+        self.seen = torch.zeros(max_num_seqs, c.vocab_size, dtype=torch.bool, device=self.device)  # code0s drawn, per slot
         self.seqs: dict[str, _Seq] = {}
         self.starts: list[str] = []
         self.feeds: dict[str, TalkerFeed] = {}
@@ -84,6 +85,7 @@ class TalkerEngine:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
             self.seqs[rid] = _Seq(rid, work, self.cache.take(), generator=gen)
+            self.seen[self.seqs[rid].slot] = False
             self.starts.append(rid)
             return
         if rid not in self.seqs or self.seqs[rid].next_codec is None:
@@ -143,20 +145,23 @@ class TalkerEngine:
     def _finish(self, rows: list[tuple[_Seq, torch.Tensor]]) -> list[OmniOut]:
         seqs = [s for s, _ in rows]
         hidden = torch.stack([h for _, h in rows])
-        logits = self.model.code0_logits(hidden, [s.code0 for s in seqs], [s.start.repetition_penalty for s in seqs])
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        penalty = torch.tensor([s.start.repetition_penalty for s in seqs])
+        logits = self.model.code0_logits(hidden, self.seen[slots], penalty)
         no_eos = [k for k, s in enumerate(seqs) if s.start.ignore_eos]
         if no_eos:
             logits[no_eos, self.ids.codec_eos] = float("-inf")
-        code0 = sample(logits, [s.start.sampling for s in seqs], [s.generator for s in seqs]).tolist()
+        drawn = sample(logits, [s.start.sampling for s in seqs], [s.generator for s in seqs])
+        self.seen[slots, drawn] = True
+        code0 = drawn.tolist()
         going = [k for k, c in enumerate(code0) if c != self.ids.codec_eos and len(seqs[k].code0) + 1 < seqs[k].start.max_tokens]
         frames: dict[int, torch.Tensor] = {}
         if going:
             c0 = torch.tensor([code0[k] for k in going], device=self.device)
             e0 = self.model.codec_embed(c0)
-            greedy = all(seqs[k].start.sampling.greedy for k in going)
-            rest, rest_sum = self.model.code_predictor.predict(
-                hidden[going], e0, None if greedy else [PREDICTOR_SAMPLING] * len(going),
-                None if greedy else [seqs[k].generator for k in going])
+            # each row's residual codes sample as its code0 does (greedy rows stay greedy)
+            modes = [GREEDY if seqs[k].start.sampling.greedy else PREDICTOR_SAMPLING for k in going]
+            rest, rest_sum = self.model.code_predictor.predict(hidden[going], e0, modes, [seqs[k].generator for k in going])
             for j, k in enumerate(going):
                 seqs[k].next_codec = e0[j] + rest_sum[j]
                 frames[k] = torch.cat([c0[j : j + 1], rest[j]]).cpu()

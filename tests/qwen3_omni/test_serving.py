@@ -19,6 +19,7 @@ from mstar.config import load_config
 from mstar.models.qwen3_omni.direct import generate
 from mstar.models.qwen3_omni.media import MediaDecoder
 from mstar.models.qwen3_omni.prompt import MediaTokens, build_prompt
+from mstar.models.qwen3_omni.sampling import Sampling
 from mstar.v1 import conductor_pb2 as cpb
 
 from helpers import collect, run, wait_released
@@ -58,7 +59,7 @@ def config(name, checkpoint):
     return dataclasses.replace(c, model_kwargs={**c.model_kwargs, "checkpoint": checkpoint})
 
 
-def direct(parts, tokenizer, text, max_tokens, frames, files=()):
+def direct(parts, tokenizer, text, max_tokens, frames, files=(), seed=None):
     """The direct call on what the conductor makes of the request (prompt ids, media rows)."""
     i = parts.cfg.ids
     ends = [tokenizer.token_to_id(t) for t in ("<|audio_end|>", "<|vision_end|>")]
@@ -74,6 +75,8 @@ def direct(parts, tokenizer, text, max_tokens, frames, files=()):
         if media.grids:
             merged, deep = parts.vision(media.pixels, torch.tensor(media.grids))
             kw |= dict(image_embeds=merged, deepstack=deep, image_grids=media.grids)
+    if seed is not None:  # the request knobs' defaults
+        kw |= dict(thinker_sampling=Sampling(0.7, 20, 0.8), talker_sampling=Sampling(0.9, 50, 1.0), seed=seed)
     return generate(parts, ids, max_tokens=max_tokens, talker_max_tokens=frames, chunk=10, left_context=25, **kw)
 
 
@@ -87,6 +90,8 @@ def expected_pcm(audio: torch.Tensor):
 
 @pytest.mark.parametrize("layout", ["default", "split"])
 def test_served_stream_equals_direct_call(checkpoint, parts, tokenizer, layout):
+    """Four requests at once (their steps batch): greedy text, greedy text with an early end,
+    WAV + PNG input, and a sampled one with a seed (each request draws from its own generator)."""
     prompts = [("Hello there, how are you?", 20, 40), ("Tell me a story.", 6, 30)]
     files = [("clip.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes())]
 
@@ -94,22 +99,25 @@ def test_served_stream_equals_direct_call(checkpoint, parts, tokenizer, layout):
         async with inprocess_mesh(config(layout, checkpoint)) as mesh:
             reqs = [ask(t, max_tokens=n, max_audio_frames=f, **GREEDY) for t, n, f in prompts]
             reqs.append(ask("What is this?", files, max_tokens=8, max_audio_frames=20, **GREEDY))
+            reqs.append(ask("Sampled, seeded.", max_tokens=10, max_audio_frames=30, seed=7))  # default sampling knobs
             res = await asyncio.gather(*(collect(mesh.stub, r, timeout=120) for r in reqs))  # served together
             await wait_released(mesh)
             return res
 
     res = run(go(), timeout=240)
-    cases = [(t, n, f, ()) for t, n, f in prompts] + [("What is this?", 8, 20, files)]
-    for (out, final), (text, n, frames, fl) in zip(res, cases, strict=True):
-        want = direct(parts, tokenizer, text, n, frames, fl)
+    cases = [(t, n, f, (), None) for t, n, f in prompts] + [("What is this?", 8, 20, files, None),
+                                                            ("Sampled, seeded.", 10, 30, (), 7)]
+    for (out, final), (text, n, frames, fl, seed) in zip(res, cases, strict=True):
+        want = direct(parts, tokenizer, text, n, frames, fl, seed)
         got_ids = [t for c in out["text"] for t in c.token_ids]
         assert got_ids == want.tokens[: len(got_ids)] and len(got_ids) == len(want.tokens)
         assert final.usage.completion_tokens == len(want.tokens)
         pcm, ref = pcm_of(out["audio"]), expected_pcm(want.audio)
-        assert len(out["audio"]) > 1 and pcm.shape == ref.shape  # streamed in chunks, every sample there
-        assert np.abs(pcm.astype(np.int32) - ref).max() <= 3  # batched steps may round differently than alone
+        assert out["audio"] and pcm.shape == ref.shape  # every sample there
+        assert np.abs(pcm.astype(np.int32) - ref).max() <= 3, (text, np.abs(pcm.astype(np.int32) - ref).max())
         assert final.usage.audio_seconds == pytest.approx(len(ref) / 24000)
         assert {c.sample_rate_hz for c in out["audio"]} == {24000}
+    assert len(res[0][0]["audio"]) == 4  # 40 frames, 10 a chunk: streamed as decoded, not at the end
 
 
 def test_text_only_never_starts_the_talker(checkpoint):
