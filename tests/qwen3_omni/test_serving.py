@@ -29,8 +29,8 @@ CONFIGS = "models/qwen3_omni/configs"
 GREEDY = dict(temperature=0.0, talker_temperature=0.0)
 
 
-def ask(text, files=(), **kw):
-    return cpb.GenerateRequest(model="qwen3_omni", text=text, model_kwargs_json=json.dumps(kw),
+def ask(text, files=(), request_id="", **kw):
+    return cpb.GenerateRequest(model="qwen3_omni", text=text, model_kwargs_json=json.dumps(kw), request_id=request_id,
                                files=[cpb.InputFile(name=n, content_type=t, data=d) for n, t, d in files])
 
 
@@ -159,3 +159,35 @@ def test_bad_input_is_invalid_argument_naming_the_field(checkpoint):
             await wait_released(mesh)
 
     run(go(), timeout=60)
+
+
+def test_talker_speaks_while_the_thinker_writes_and_cancel_frees_the_caches(checkpoint):
+    """The Talker's loop runs beside the Thinker's: with back-pressure at 2 rows the Thinker can
+    be at most a few tokens ahead, so audio arrives long before the text ends. A cancelled
+    request frees every KV slot of both engines."""
+    from helpers import cancel_and_drain
+
+    async def go():
+        cfg = config("split", checkpoint)
+        cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, "talker_max_ahead": 2,
+                                                     "code2wav_chunk_frames": 2})
+        async with inprocess_mesh(cfg) as mesh:
+            out, _ = await collect(mesh.stub, ask("Hi", max_tokens=60, max_audio_frames=64, ignore_eos=True, **GREEDY),
+                                   timeout=120)
+            text_at = [c.elapsed_s for c in out["text"]]
+            assert len(text_at) == 60 and out["audio"][0].elapsed_s < text_at[20]
+            thinker = mesh.runtime("thinker").submodules["thinker"].engine
+            talker = mesh.runtime("talker").submodules["talker"].engine
+            call = mesh.stub.Generate(ask("Hi", request_id="long", max_tokens=2000, max_audio_frames=4000,
+                                          ignore_eos=True, **GREEDY), timeout=60)
+            async for r in call:  # cancel once audio flows
+                if any(c.name == "audio" for c in r.chunks):
+                    break
+            await cancel_and_drain(mesh, call, "long")
+            for eng in (thinker, talker):
+                deadline = asyncio.get_running_loop().time() + 5
+                while eng.cache.num_free != eng.cache.k[0].shape[0] and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.02)
+                assert eng.cache.num_free == eng.cache.k[0].shape[0], type(eng).__name__
+
+    run(go(), timeout=120)
