@@ -22,10 +22,16 @@ GATHER_MAX_PAIRS = 64
 MOE_PATHS = ("auto", "grouped_mm", "gather", "loop")
 
 
-def grouped_mm_ok(*dims: int, dtype: torch.dtype = torch.float32) -> bool:
-    """torch._grouped_mm exists and these inner dimensions meet its 16-byte stride rule."""
+def grouped_mm_ok(*dims: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
+    """torch._grouped_mm exists for this device and dtype (CUDA: bfloat16 on sm_90+) and these
+    inner dimensions meet its 16-byte stride rule."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dev = torch.device(device)
+    if dev.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(dev) < (9, 0)):
+        return False
     size = torch.empty((), dtype=dtype).element_size()
-    return hasattr(torch, "_grouped_mm") and all((d * size) % 16 == 0 for d in dims)
+    return all((d * size) % 16 == 0 for d in dims)
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +134,7 @@ class Experts(nn.Module):
         """x [T, H], index/weight [T, k] -> sum_k weight * expert_k(x)."""
         t, k = index.shape
         if path == "auto":
-            path = "grouped_mm" if grouped_mm_ok(*self.down.shape[1:], dtype=x.dtype) else \
+            path = "grouped_mm" if grouped_mm_ok(*self.down.shape[1:], dtype=x.dtype, device=x.device) else \
                 "gather" if t * k <= GATHER_MAX_PAIRS else "loop"
         if path == "grouped_mm":
             return self._grouped_mm(x, index, weight)

@@ -157,17 +157,24 @@ class VisionEncoderNode(_Stateless):
 
 
 class Code2WavNode(_Stateless):
-    """One chunk of frames (with its left context first) -> the new frames' samples."""
+    """One chunk of frames (with its left context first) -> the new frames' samples. Chunks of
+    the same length and context (every full chunk past the first few) decode as one batch."""
 
     def __init__(self, checkpoint: Path, ctx: NodeContext):
         p = load_parts(checkpoint, ctx.device, dtype_of(ctx), ("code2wav",))
         self.dec, self.device = p.code2wav, ctx.device
 
-    def one(self, call):
-        assert call.chunk is not None, "code2wav runs in chunk walks only"
-        codes = call.inputs["codes"]
-        if codes.shape[0] == 0:
-            return {"audio": torch.zeros(0)}
-        context = call.chunk.new_from - call.chunk.start
-        wav = self.dec.decode_chunk(codes.T[None].to(self.device), context)
-        return {"audio": wav[0, 0].float().cpu()}
+    def forward(self, batch: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
+        out: list[dict[str, torch.Tensor]] = [{"audio": torch.zeros(0)} for _ in batch]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, call in enumerate(batch):
+            assert call.chunk is not None, "code2wav runs in chunk walks only"
+            if call.inputs["codes"].shape[0]:
+                groups.setdefault((call.inputs["codes"].shape[0], call.chunk.new_from - call.chunk.start), []).append(i)
+        with torch.inference_mode():
+            for (_, context), rows in groups.items():
+                codes = torch.stack([batch[i].inputs["codes"].T for i in rows]).to(self.device)
+                wav = self.dec.decode_chunk(codes, context)[:, 0].float().cpu()
+                for j, i in enumerate(rows):
+                    out[i] = {"audio": wav[j]}
+        return out

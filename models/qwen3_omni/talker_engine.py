@@ -162,9 +162,10 @@ class TalkerEngine:
             # each row's residual codes sample as its code0 does (greedy rows stay greedy)
             modes = [GREEDY if seqs[k].start.sampling.greedy else PREDICTOR_SAMPLING for k in going]
             rest, rest_sum = self.model.code_predictor.predict(hidden[going], e0, modes, [seqs[k].generator for k in going])
+            whole = torch.cat([c0[:, None], rest], dim=1).cpu()  # one copy for the step
             for j, k in enumerate(going):
                 seqs[k].next_codec = e0[j] + rest_sum[j]
-                frames[k] = torch.cat([c0[j : j + 1], rest[j]]).cpu()
+                frames[k] = whole[j]
         outs = []
         for k, s in enumerate(seqs):
             s.code0.append(code0[k])

@@ -153,10 +153,11 @@ class ThinkerEngine:
                      torch.tensor(lengths, device=self.device), max(lengths) + 1)
         hidden, _ = self.model(embeds, pos.to(self.device), ctx)
         tokens = self._sample(self.model.logits(hidden), seqs).tolist()
+        rows = embeds.float().cpu()  # the Talker's text rows: one copy for the step
         outs = []
         for i, (s, t) in enumerate(zip(seqs, tokens, strict=True)):
             s.length += 1
-            outs.append(self._advance(s, int(t), {"input_embed": embeds[i]}))
+            outs.append(self._advance(s, int(t), {"input_embed": rows[i]}))
         return outs
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
