@@ -51,7 +51,7 @@ class TalkerFeed:
 class _Seq:
     rid: str
     start: TalkerStart
-    slot: int
+    slot: int = -1  # -1: waiting for a free slot
     length: int = 0
     code0: list[int] = field(default_factory=list)
     next_codec: torch.Tensor | None = None  # the summed codec embeddings of the last frame
@@ -70,42 +70,54 @@ class TalkerEngine:
         self.ids = model.omni.ids
         self.seen = torch.zeros(max_num_seqs, c.vocab_size, dtype=torch.bool, device=self.device)  # code0s drawn, per slot
         self.seqs: dict[str, _Seq] = {}
-        self.starts: list[str] = []
+        self.starts: list[str] = []  # sequences waiting for a slot and their prefill, in order
         self.feeds: dict[str, TalkerFeed] = {}
+        self.refused: list[OmniOut] = []
         self.steps = 0
 
     def submit(self, rid: str, work: TalkerStart | TalkerFeed) -> None:
+        """A start waits for a free slot (admitted in order); work the engine cannot take is
+        answered, aborted with the reason, by the next step."""
+        why = None
         if isinstance(work, TalkerStart):
             if rid in self.seqs:
-                raise ValueError(f"request {rid} already has a Talker sequence")
-            if work.positions.shape[1] + work.max_tokens > self.cache.max_len:
-                raise ValueError(f"Talker prompt + max_tokens exceeds max_seq_len={self.cache.max_len}")
-            gen = None
-            if not work.sampling.greedy:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-            self.seqs[rid] = _Seq(rid, work, self.cache.take(), generator=gen)
-            self.seen[self.seqs[rid].slot] = False
-            self.starts.append(rid)
-            return
-        if rid not in self.seqs or self.seqs[rid].next_codec is None:
-            raise ValueError(f"request {rid}: a Talker step without a running sequence")
-        self.feeds[rid] = work
+                why = f"request {rid} already has a Talker sequence"
+            elif work.positions.shape[1] + work.max_tokens > self.cache.max_len:
+                why = f"Talker prompt + max_tokens exceeds max_seq_len={self.cache.max_len}"
+            else:
+                gen = None
+                if not work.sampling.greedy:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+                self.seqs[rid] = _Seq(rid, work, generator=gen)
+                self.starts.append(rid)
+        elif rid not in self.seqs or self.seqs[rid].next_codec is None:
+            why = f"request {rid}: a Talker step without a running sequence"
+        else:
+            self.feeds[rid] = work
+        if why is not None:
+            self.refused.append(OmniOut(rid, None, SeqStatus.FINISHED_ABORTED, error=f"refused by the Talker: {why}"))
 
     def release(self, rid: str) -> None:
         seq = self.seqs.pop(rid, None)
         self.starts = [r for r in self.starts if r != rid]
         self.feeds.pop(rid, None)
-        if seq is not None:
+        if seq is not None and seq.slot >= 0:
             self.cache.give_back(seq.slot)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.starts) or bool(self.feeds)
+        return bool(self.starts) or bool(self.feeds) or bool(self.refused)
 
     @torch.inference_mode()
     def step(self) -> list[OmniOut]:
-        starts, self.starts = [self.seqs[r] for r in self.starts], []
+        refused, self.refused = self.refused, []
+        starts = []
+        while self.starts and self.cache.num_free:
+            s = self.seqs[self.starts.pop(0)]
+            s.slot = self.cache.take()
+            self.seen[s.slot] = False
+            starts.append(s)
         feeds, self.feeds = self.feeds, {}
         rows: list[tuple[_Seq, torch.Tensor]] = [(s, self._prefill(s)) for s in starts]
         if feeds:
@@ -123,7 +135,7 @@ class TalkerEngine:
                 s.length += 1
                 rows.append((s, h))
         self.steps += 1
-        return self._finish(rows) if rows else []
+        return refused + (self._finish(rows) if rows else [])
 
     def _prefill(self, s: _Seq) -> torch.Tensor:
         w, m = s.start, self.model

@@ -58,7 +58,7 @@ class ThinkerStart:
 class _Seq:
     rid: str
     work: ThinkerStart
-    slot: int
+    slot: int = -1  # -1: waiting for a free slot
     length: int = 0  # tokens with K/V in the cache
     last: int = 0  # the last sampled token (the next step's input)
     outputs: int = 0
@@ -72,45 +72,60 @@ class ThinkerEngine:
         c = model.cfg
         self.cache = SlotCache(c.num_layers, max_num_seqs, max_seq_len, c.num_kv_heads, c.head_dim, p.device, p.dtype)
         self.capture = capture_layer
-        self.new: list[_Seq] = []
+        self.waiting: list[_Seq] = []  # submitted, no slot yet (admitted in order as slots free up)
         self.running: dict[str, _Seq] = {}
+        self.refused: list[OmniOut] = []  # answered with the next step
         self.steps = 0
 
     # -- the driver's surface ------------------------------------------------------------------
     def submit(self, rid: str, work: ThinkerStart) -> None:
-        if rid in self.running or any(s.rid == rid for s in self.new):
-            raise ValueError(f"request {rid} already has a Thinker sequence")
+        """Queue a sequence; one the engine cannot take is answered, aborted with the reason, by
+        the next step (no exception reaches the driver's step)."""
         n = work.prompt_ids.numel()
-        if n + work.max_tokens > self.cache.max_len:
-            raise ValueError(f"prompt of {n} tokens + max_tokens={work.max_tokens} exceeds max_seq_len={self.cache.max_len}")
+        why = None
+        if rid in self.running or any(s.rid == rid for s in self.waiting):
+            why = f"request {rid} already has a Thinker sequence"
+        elif n + work.max_tokens > self.cache.max_len:
+            why = f"prompt of {n} tokens + max_tokens={work.max_tokens} exceeds max_seq_len={self.cache.max_len}"
+        if why is not None:
+            self.refused.append(OmniOut(rid, None, SeqStatus.FINISHED_ABORTED, error=f"refused by the Thinker: {why}"))
+            return
         gen = None
         if not work.sampling.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        self.new.append(_Seq(rid, work, self.cache.take(), generator=gen))
+        self.waiting.append(_Seq(rid, work, generator=gen))
 
     def release(self, rid: str) -> None:
+        self.waiting = [s for s in self.waiting if s.rid != rid]
         seq = self.running.pop(rid, None)
-        for s in self.new:
-            if s.rid == rid:
-                seq = s
-        self.new = [s for s in self.new if s.rid != rid]
         if seq is not None:
             self.cache.give_back(seq.slot)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.new) or bool(self.running)
+        return bool(self.waiting) or bool(self.running) or bool(self.refused)
 
     @torch.inference_mode()
     def step(self) -> list[OmniOut]:
+        outs, self.refused = self.refused, []
         decoding = list(self.running.values())
-        outs = [self._prefill(s) for s in self.new]
-        self.new = []
+        while self.waiting and self.cache.num_free:
+            s = self.waiting.pop(0)
+            s.slot = self.cache.take()
+            self.running[s.rid] = s
+            outs.append(self._prefill_or_abort(s))
         if decoding:
             outs += self._decode(decoding)
         self.steps += 1
         return outs
+
+    def _prefill_or_abort(self, s: _Seq) -> OmniOut:
+        try:
+            return self._prefill(s)
+        except Exception as e:  # this request's inputs (media rows, lengths): the others go on
+            self.release(s.rid)
+            return OmniOut(s.rid, None, SeqStatus.FINISHED_ABORTED, error=f"Thinker prefill failed: {type(e).__name__}: {e}")
 
     def kv_stats(self) -> KvStats:
         slots = len(self.cache.k[0]) if self.cache.k else 0

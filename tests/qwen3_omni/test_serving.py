@@ -162,9 +162,10 @@ def test_bad_input_is_invalid_argument_naming_the_field(checkpoint):
 
 
 def test_talker_speaks_while_the_thinker_writes_and_cancel_frees_the_caches(checkpoint):
-    """The Talker's loop runs beside the Thinker's: with back-pressure at 2 rows the Thinker can
-    be at most a few tokens ahead, so audio arrives long before the text ends. A cancelled
-    request frees every KV slot of both engines."""
+    """The Talker's loop runs beside the Thinker's, held to it by back-pressure: with
+    ``talker_max_ahead: 2`` the Thinker's loop never gets more than a few iterations ahead of the
+    Talker's (counted at the nodes, not timed; the Thinker's engine itself decodes on ahead, its
+    tokens held by the driver). A cancelled request frees every KV slot of both engines."""
     from helpers import cancel_and_drain
 
     async def go():
@@ -172,12 +173,28 @@ def test_talker_speaks_while_the_thinker_writes_and_cancel_frees_the_caches(chec
         cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, "talker_max_ahead": 2,
                                                      "code2wav_chunk_frames": 2})
         async with inprocess_mesh(cfg) as mesh:
-            out, _ = await collect(mesh.stub, ask("Hi", max_tokens=60, max_audio_frames=64, ignore_eos=True, **GREEDY),
-                                   timeout=120)
-            text_at = [c.elapsed_s for c in out["text"]]
-            assert len(text_at) == 60 and out["audio"][0].elapsed_s < text_at[20]
             thinker = mesh.runtime("thinker").submodules["thinker"].engine
             talker = mesh.runtime("talker").submodules["talker"].engine
+            node_t, node_k = mesh.runtime("thinker").submodules["thinker"], mesh.runtime("talker").submodules["talker"]
+            calls, lead = {"thinker": 0, "talker": 0}, []  # per Thinker iteration: its lead over the Talker's
+
+            def counted(sub, name):
+                inner = sub.outputs
+
+                def outputs(call, out):
+                    if call.walk == "speak":
+                        calls[name] += 1
+                        if name == "thinker":
+                            lead.append(calls["thinker"] - calls["talker"])
+                    return inner(call, out)
+                sub.outputs = outputs
+
+            counted(node_t, "thinker")
+            counted(node_k, "talker")
+            out, _ = await collect(mesh.stub, ask("Hi", max_tokens=60, max_audio_frames=64, ignore_eos=True, **GREEDY),
+                                   timeout=120)
+            assert len([t for c in out["text"] for t in c.token_ids]) == 60 and len(out["audio"]) >= 30
+            assert len(lead) == 59 and max(lead) <= 4, lead  # 2 untaken rows + the iterations in flight
             call = mesh.stub.Generate(ask("Hi", request_id="long", max_tokens=2000, max_audio_frames=4000,
                                           ignore_eos=True, **GREEDY), timeout=60)
             async for r in call:  # cancel once audio flows
@@ -191,3 +208,21 @@ def test_talker_speaks_while_the_thinker_writes_and_cancel_frees_the_caches(chec
                 assert eng.cache.num_free == eng.cache.k[0].shape[0], type(eng).__name__
 
     run(go(), timeout=120)
+
+
+def test_more_requests_than_slots_wait_their_turn(checkpoint, parts, tokenizer):
+    """max_num_seqs: 1: three speech requests at once queue for the Thinker's and the Talker's one
+    slot each and all complete, equal to the direct call."""
+    async def go():
+        cfg = config("default", checkpoint)
+        cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, "max_num_seqs": 1})
+        async with inprocess_mesh(cfg) as mesh:
+            res = await asyncio.gather(*(collect(mesh.stub, ask(t, max_tokens=6, max_audio_frames=12, **GREEDY), timeout=120)
+                                         for t in ("One.", "Two.", "Three.")))
+            await wait_released(mesh)
+            return res
+
+    for (out, _), text in zip(run(go(), timeout=120), ("One.", "Two.", "Three."), strict=True):
+        want = direct(parts, tokenizer, text, 6, 12)
+        assert [t for c in out["text"] for t in c.token_ids] == want.tokens
+        assert np.array_equal(pcm_of(out["audio"]), expected_pcm(want.audio))
