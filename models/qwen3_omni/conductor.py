@@ -27,13 +27,15 @@ def build_request(model: Qwen3OmniModel, prompt: Prompt) -> RequestState:
         raise InvalidArgument("model_kwargs.voice", f"unknown voice {kw['voice']!r}; known: {', '.join(sorted(cfg.speakers))}")
     media = model.media.decode(prompt.files)
     encode = lambda s: model.tokenizer.encode(s, add_special_tokens=False).ids  # noqa: E731
-    ids_list = build_prompt(encode, ids, model.media_tokens, prompt.text, kw["system"], media.audio_rows, media.image_rows)
+    ids_list = build_prompt(encode, ids, model.media_tokens, prompt.text, kw["system"], media.audio_rows, media.image_rows,
+                            media.video_rows)
     limit = model.max_seq_len - kw["max_tokens"]  # the placement YAML's max_seq_len
     if len(ids_list) > limit:
         raise InvalidArgument("text", f"prompt is {len(ids_list)} tokens; with max_tokens={kw['max_tokens']} at most "
                                       f"{limit} fit in max_seq_len={model.max_seq_len}")
     rope = dict(audio_id=ids.audio, image_id=ids.image, video_id=ids.video, audio_rows=media.audio_rows,
-                image_grids=media.grids, merge=cfg.vision.spatial_merge_size)
+                image_grids=media.grids, video_grids=media.video_grids, video_seconds=media.video_seconds,
+                merge=cfg.vision.spatial_merge_size)
     positions, delta = mrope_positions(ids_list, per_second=cfg.position_id_per_seconds, **rope)  # type: ignore[arg-type]
     state = RequestState(prompt, prompt_tokens=len(ids_list), finish_reason="length")
     h, dv = cfg.text.hidden_size, cfg.vision.out_hidden_size
@@ -55,7 +57,8 @@ def build_request(model: Qwen3OmniModel, prompt: Prompt) -> RequestState:
         prefill |= {"audio_embeds": torch.zeros(0, h), "image_embeds": torch.zeros(0, dv), "deepstack": torch.zeros(k, 0, dv)}
     else:
         encode_inputs = {"audio_features": media.audio_features, "audio_lengths": torch.tensor(media.audio_lengths, dtype=torch.int64),
-                         "pixels": media.pixels, "image_grids": torch.tensor(media.grids, dtype=torch.int64).reshape(-1, 3)}
+                         "pixels": media.pixels,  # images', then videos' patches: one encoder pass
+                         "image_grids": torch.tensor(media.grids + media.video_grids, dtype=torch.int64).reshape(-1, 3)}
     state.data.update(encode=encode_inputs, prefill=prefill, speak=speak, ids=[], text="", ended=False,
                       stop_ids=set() if kw["ignore_eos"] else {ids.im_end})
     return state

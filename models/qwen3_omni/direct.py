@@ -81,18 +81,23 @@ def generate(p: Parts, prompt: list[int], *, speaker: str = "ethan", max_tokens:
              speech: bool = True, chunk: int = 300, left_context: int = 25, seed: int | None = None,
              audio_embeds: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,
              deepstack: list[torch.Tensor] | None = None, image_grids: list[list[int]] | None = None,
-             audio_rows: list[int] | None = None) -> Result:
+             audio_rows: list[int] | None = None, video_embeds: torch.Tensor | None = None,
+             video_grids: list[list[int]] | None = None, video_seconds: list[float] | None = None) -> Result:
+    """``deepstack``: per DeepStack layer, the rows of every image then every video (prompt order)."""
     cfg, ids = p.cfg, p.cfg.ids
     assert p.thinker is not None
-    pos, delta = mrope_positions(prompt, audio_id=ids.audio, image_id=ids.image, video_id=ids.video,
-                                 audio_rows=audio_rows or (), image_grids=image_grids or (),
-                                 merge=cfg.vision.spatial_merge_size, per_second=cfg.position_id_per_seconds)
+    rope = dict(audio_id=ids.audio, image_id=ids.image, video_id=ids.video, audio_rows=audio_rows or (),
+                image_grids=image_grids or (), video_grids=video_grids or (), video_seconds=video_seconds or (),
+                merge=cfg.vision.spatial_merge_size)
+    pos, delta = mrope_positions(prompt, per_second=cfg.position_id_per_seconds, **rope)  # type: ignore[arg-type]
     tp = talker_prompt(prompt, ids) if speech else None
     media = {}
     if audio_embeds is not None:
         media[ids.audio] = audio_embeds
     if image_embeds is not None:
         media[ids.image] = image_embeds
+    if video_embeds is not None:
+        media[ids.video] = video_embeds
     ids_t = torch.tensor(prompt)
     thinker = ThinkerEngine(p.thinker, cfg.accept_hidden_layer, 1, len(prompt) + max_tokens + 1)
     thinker.submit("r", ThinkerStart(ids_t, pos, delta, thinker_sampling, max_tokens, (ids.im_end,), media,
@@ -112,9 +117,7 @@ def generate(p: Parts, prompt: list[int], *, speaker: str = "ethan", max_tokens:
         return Result(tokens, torch.empty(0, cfg.num_code_groups, dtype=torch.int64), torch.empty(0))
     assert p.talker is not None and p.code2wav is not None and first is not None
     tids = tp.ids  # type: ignore[union-attr]
-    tpos, tdelta = mrope_positions(tids, audio_id=ids.audio, image_id=ids.image, video_id=ids.video,
-                                   audio_rows=audio_rows or (), image_grids=image_grids or (),
-                                   merge=cfg.vision.spatial_merge_size, per_second=cfg.talker_position_id_per_seconds)
+    tpos, tdelta = mrope_positions(tids, per_second=cfg.talker_position_id_per_seconds, **rope)  # type: ignore[arg-type]
     talker = TalkerEngine(p.talker, p.specials(), 1, len(tids) + talker_max_tokens + 1)
     speaker_id = cfg.speakers[speaker.lower()]
     talker.submit("r", TalkerStart(first["talker_prompt"], tp.mm, rows[0], speaker_id, tpos, tdelta,  # type: ignore[union-attr]

@@ -28,6 +28,7 @@ class OmniServeConfig(Knobs):
     talker_max_ahead: int = Field(16, ge=1, le=4096, description="Thinker tokens the Talker may lag behind "
                                   "before the Thinker waits (back-pressure)")
     max_audio_seconds: float = Field(300.0, gt=0, le=3600, description="longest audio input")
+    max_video_seconds: float = Field(120.0, gt=0, le=3600, description="longest video input (sampled at 2 fps)")
     max_image_pixels: int = Field(1280 * 28 * 28 * 4, ge=1, description="largest image input, in pixels after resizing")
     max_file_bytes: int = Field(64 << 20, ge=1, description="largest media file")
 

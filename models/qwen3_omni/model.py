@@ -150,7 +150,8 @@ class Qwen3OmniModel(Model):
         ends = [self.tokenizer.token_to_id(t) for t in ("<|audio_end|>", "<|vision_end|>")]
         self.media_tokens = MediaTokens(*(e if e is not None else -1 for e in ends))
         c = self.config
-        self.media = MediaDecoder(self.omni, d, c.max_audio_seconds, c.max_image_pixels, c.max_file_bytes)
+        self.media = MediaDecoder(self.omni, d, c.max_audio_seconds, c.max_image_pixels, c.max_file_bytes,
+                                  c.max_video_seconds)
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -48,11 +48,14 @@ class ThinkerNode(EngineNode):
         if call.walk != "prefill":
             return None
         i, kw = call.inputs, call.kwargs
-        media = {}
+        media, ids = {}, self.cfg.ids
         if i["audio_embeds"].numel():
-            media[self.cfg.ids.audio] = i["audio_embeds"]
-        if i["image_embeds"].numel():
-            media[self.cfg.ids.image] = i["image_embeds"]
+            media[ids.audio] = i["audio_embeds"]
+        if i["image_embeds"].numel():  # the vision encoder's rows: images' first, then videos'
+            n = int((i["prompt_ids"] == ids.image).sum())
+            visual = i["image_embeds"]
+            media |= {ids.image: visual[:n]} if n else {}
+            media |= {ids.video: visual[n:]} if n < visual.shape[0] else {}
         deep = list(i["deepstack"].unbind(0)) if i["image_embeds"].numel() else []
         rows = i["talker_rows"]
         return ThinkerStart(i["prompt_ids"], i["positions"], int(i["delta"]), Sampling(kw["temperature"], kw["top_k"], kw["top_p"]),

@@ -2,7 +2,7 @@
 
 ``<|im_start|>system\\n{system}<|im_end|>\\n`` (when given), then the user turn with each audio as
 ``<|audio_start|><|audio_pad|>*n<|audio_end|>`` and each image as
-``<|vision_start|><|image_pad|>*n<|vision_end|>`` before the text, then
+``<|vision_start|><|image_pad|>*n<|vision_end|>`` (videos alike, with ``<|video_pad|>``) before the text, then
 ``<|im_start|>assistant\\n``. Role names and the newline come from the tokenizer; every other
 special id from ``config.json``.
 """
@@ -24,7 +24,9 @@ class MediaTokens:
 
 
 def build_prompt(encode: Callable[[str], list[int]], ids: TokenIds, media_ids: MediaTokens, text: str,
-                 system: str | None = None, audio_rows: Sequence[int] = (), image_rows: Sequence[int] = ()) -> list[int]:
+                 system: str | None = None, audio_rows: Sequence[int] = (), image_rows: Sequence[int] = (),
+                 video_rows: Sequence[int] = ()) -> list[int]:
+    """Images come before videos: the vision encoder's rows (and DeepStack's) are in that order."""
     nl = encode("\n")
     out: list[int] = []
     if system:
@@ -34,6 +36,8 @@ def build_prompt(encode: Callable[[str], list[int]], ids: TokenIds, media_ids: M
         out += [ids.audio_start, *([ids.audio] * n), media_ids.audio_end]
     for n in image_rows:
         out += [ids.vision_start, *([ids.image] * n), media_ids.vision_end]
+    for n in video_rows:
+        out += [ids.vision_start, *([ids.video] * n), media_ids.vision_end]
     out += [*encode(text), ids.im_end, *nl, ids.im_start, ids.assistant, *nl]
     return out
 

@@ -128,3 +128,27 @@ def test_code2wav_whole_and_chunked(parts, reference, chunk, left):
         close(parts.code2wav(codes), reference.code2wav(codes))
         close(parts.code2wav.chunked_decode(codes, chunk, left),
               reference.code2wav.chunked_decode(codes, chunk_size=chunk, left_context_size=left))
+
+
+def test_thinker_with_image_and_video(parts, reference):
+    """A video's temporal positions (seconds per temporal patch x position_id_per_seconds) and the
+    joint DeepStack rows of an image and a video (prompt order)."""
+    i = parts.cfg.ids
+    g = torch.Generator().manual_seed(13)
+    img_grid, vid_grid, seconds = [1, 4, 4], [2, 4, 6], [1.0]
+    n_img, n_vid = 4, 2 * 2 * 3
+    ids = [i.im_start, i.user, 10, i.vision_start, *[i.image] * n_img, i.vision_start + 1, i.vision_start,
+           *[i.video] * n_vid, i.vision_start + 1, 72, 105, i.im_end, 10, i.im_start, i.assistant, 10]
+    img_px = torch.randn(16, 96, generator=g)
+    vid_px = torch.randn(48, 96, generator=g)
+    with torch.no_grad():
+        ref = reference.thinker(input_ids=torch.tensor([ids]), pixel_values=img_px, image_grid_thw=torch.tensor([img_grid]),
+                                pixel_values_videos=vid_px, video_grid_thw=torch.tensor([vid_grid]),
+                                video_second_per_grid=torch.tensor(seconds), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        merged, deep = parts.vision(torch.cat([img_px, vid_px]), torch.tensor([img_grid, vid_grid]))
+        pos, _ = mrope_positions(ids, audio_id=i.audio, image_id=i.image, video_id=i.video, image_grids=[img_grid],
+                                 video_grids=[vid_grid], video_seconds=seconds, per_second=parts.cfg.position_id_per_seconds)
+        ids_t = torch.tensor(ids)
+        embeds = parts.thinker.prompt_embeds(ids_t, {i.image: merged[:n_img], i.video: merged[n_img:]})
+        h, _ = parts.thinker(embeds, pos, NoCache(), deepstack=parts.thinker.deepstack_rows(ids_t, (i.image, i.video), deep))
+        close(parts.thinker.logits(h), ref.logits[0])

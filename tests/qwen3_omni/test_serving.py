@@ -54,6 +54,22 @@ def png_bytes():
     return buf.getvalue()
 
 
+def mp4_bytes(frames=6, fps=4, w=64, h=48):
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        s = out.add_stream("mpeg4", rate=fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        for k in range(frames):
+            img = ((np.arange(h * w * 3).reshape(h, w, 3) * (k + 1)) % 251).astype(np.uint8)
+            for packet in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in s.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
 def config(name, checkpoint):
     c = load_config(f"{CONFIGS}/{name}.yaml")
     return dataclasses.replace(c, model_kwargs={**c.model_kwargs, "checkpoint": checkpoint})
@@ -66,15 +82,17 @@ def direct(parts, tokenizer, text, max_tokens, frames, files=(), seed=None):
     media = MediaDecoder(parts.cfg, parts.reader.directory, 300, 1280 * 28 * 28 * 4, 1 << 26).decode(
         [type("F", (), {"name": n, "content_type": t, "data": d})() for n, t, d in files])
     ids = build_prompt(lambda s: tokenizer.encode(s, add_special_tokens=False).ids, i, MediaTokens(*ends), text,
-                       None, media.audio_rows, media.image_rows)
+                       None, media.audio_rows, media.image_rows, media.video_rows)
     kw = {}
     with torch.no_grad():
         if media.audio_lengths:
             kw |= dict(audio_embeds=parts.audio(media.audio_features, torch.tensor(media.audio_lengths)),
                        audio_rows=media.audio_rows)
-        if media.grids:
-            merged, deep = parts.vision(media.pixels, torch.tensor(media.grids))
-            kw |= dict(image_embeds=merged, deepstack=deep, image_grids=media.grids)
+        if media.grids or media.video_grids:
+            merged, deep = parts.vision(media.pixels, torch.tensor(media.grids + media.video_grids))
+            n = sum(media.image_rows)
+            kw |= dict(image_embeds=merged[:n], video_embeds=merged[n:], deepstack=deep, image_grids=media.grids,
+                       video_grids=media.video_grids, video_seconds=media.video_seconds)
     if seed is not None:  # the request knobs' defaults
         kw |= dict(thinker_sampling=Sampling(0.7, 20, 0.8), talker_sampling=Sampling(0.9, 50, 1.0), seed=seed)
     return generate(parts, ids, max_tokens=max_tokens, talker_max_tokens=frames, chunk=10, left_context=25, **kw)
@@ -93,7 +111,8 @@ def test_served_stream_equals_direct_call(checkpoint, parts, tokenizer, layout):
     """Four requests at once (their steps batch): greedy text, greedy text with an early end,
     WAV + PNG input, and a sampled one with a seed (each request draws from its own generator)."""
     prompts = [("Hello there, how are you?", 20, 40), ("Tell me a story.", 6, 30)]
-    files = [("clip.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes())]
+    files = [("clip.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes()),
+             ("clip.mp4", "video/mp4", mp4_bytes())]
 
     async def go():
         async with inprocess_mesh(config(layout, checkpoint)) as mesh:
@@ -139,6 +158,7 @@ BAD = [
     ({"temprature": 0.5}, (), "model_kwargs.temprature"),
     ({}, (("x.wav", "audio/wav", b"RIFF-not-a-wav"),), "files[0]"),
     ({}, (("x.png", "image/png", b"\x89PNG broken"),), "files[0]"),
+    ({}, (("x.mp4", "video/mp4", b"\x00\x00\x00\x18ftypmp42 broken"),), "files[0]"),
     ({}, (("a.wav", "audio/wav", wav_bytes(0.5)), ("x.bin", "application/octet-stream", b"?")), "files[1]"),
     ({}, (("long.wav", "audio/wav", wav_bytes(3.0, rate=8000)),), "files[0]"),  # over max_audio_seconds
 ]
