@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from mstar.models.graph import LeftContext
 from mstar.models.qwen3_omni.audio import AudioEncoder
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.models.qwen3_omni.config import OmniConfig
@@ -82,7 +83,8 @@ def generate(p: Parts, prompt: list[int], *, speaker: str = "ethan", max_tokens:
              audio_embeds: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,
              deepstack: list[torch.Tensor] | None = None, image_grids: list[list[int]] | None = None,
              audio_rows: list[int] | None = None, video_embeds: torch.Tensor | None = None,
-             video_grids: list[list[int]] | None = None, video_seconds: list[float] | None = None) -> Result:
+             video_grids: list[list[int]] | None = None, video_seconds: list[float] | None = None,
+             policy=None) -> Result:
     """``deepstack``: per DeepStack layer, the rows of every image then every video (prompt order)."""
     cfg, ids = p.cfg, p.cfg.ids
     assert p.thinker is not None
@@ -134,5 +136,19 @@ def generate(p: Parts, prompt: list[int], *, speaker: str = "ethan", max_tokens:
     codes = torch.stack(frames) if frames else torch.empty(0, cfg.num_code_groups, dtype=torch.int64)
     audio = torch.empty(0)
     if frames:
-        audio = p.code2wav.chunked_decode(codes.T[None].to(p.device), chunk, left_context)[0, 0].float().cpu()
+        audio = stream_decode(p.code2wav, codes, policy or LeftContext(chunk, left_context))
     return Result(tokens, codes, audio, len(tids))
+
+
+def stream_decode(code2wav: Code2Wav, codes: torch.Tensor, policy) -> torch.Tensor:
+    """codes [frames, groups] -> samples, chunked as the served stream cuts them (the runtime's own
+    chunker under ``policy``), each chunk's new frames decoded after its context."""
+    from mstar.services.node_group.streams import Chunker
+
+    chunker, out = Chunker(policy), []
+    chunks = [c for row in codes for c in chunker.push(row[None])] + chunker.finish()
+    for info, rows in chunks:
+        context = info.new_from - info.start
+        if rows.shape[0] > context:
+            out.append(code2wav.decode_chunk(rows.T[None].to(next(code2wav.parameters()).device), context)[0, 0])
+    return torch.cat(out).float().cpu() if out else torch.empty(0)

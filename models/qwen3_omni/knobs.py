@@ -25,6 +25,8 @@ class OmniServeConfig(Knobs):
                                        "(12.5 a second); the reference decodes 300 at a time")
     code2wav_left_context_frames: int = Field(25, ge=0, le=300, description="earlier frames decoded as context "
                                               "(the reference's 25)")
+    code2wav_first_chunk_frames: int | None = Field(None, ge=1, le=300, description="frames of the first decode "
+                                                    "(fewer: earlier first audio); None: code2wav_chunk_frames")
     talker_max_ahead: int = Field(16, ge=1, le=4096, description="Thinker tokens the Talker may lag behind "
                                   "before the Thinker waits (back-pressure)")
     max_audio_seconds: float = Field(300.0, gt=0, le=3600, description="longest audio input")

@@ -47,6 +47,7 @@ from mstar.models.graph import (
     Modality,
     Parallel,
     PartitionTopology,
+    SlidingWindow,
     StreamingGraphEdge,
     Walk,
 )
@@ -58,6 +59,17 @@ SAMPLE_RATE = 24_000
 WEIGHTS_HELP = ("put the snapshot in the HF cache or --cache-dir (models--Qwen--Qwen3-Omni-30B-A3B-Instruct/snapshots/..., "
                 "or <cache-dir>/Qwen/Qwen3-Omni-30B-A3B-Instruct), serve with --download, or with --random-weights "
                 "for a tiny random demo checkpoint")
+
+
+def codec_policy(c: OmniServeConfig) -> LeftContext | SlidingWindow:
+    """Chunks of ``code2wav_chunk_frames`` new frames after up to ``code2wav_left_context_frames``;
+    with ``code2wav_first_chunk_frames`` the first chunk is shorter (a sliding window whose first
+    window comes early; its last window may then carry more context than the left context)."""
+    first = c.code2wav_first_chunk_frames
+    if first is None or first == c.code2wav_chunk_frames:
+        return LeftContext(c.code2wav_chunk_frames, c.code2wav_left_context_frames)
+    return SlidingWindow(window=c.code2wav_left_context_frames + c.code2wav_chunk_frames, stride=c.code2wav_chunk_frames,
+                         first=min(first, c.code2wav_left_context_frames + c.code2wav_chunk_frames))
 
 
 class Qwen3OmniModel(Model):
@@ -99,8 +111,7 @@ class Qwen3OmniModel(Model):
                 StreamingGraphEdge("thinker", "talker", "text_rows", policy=FixedChunks(1), max_ahead=c.talker_max_ahead),
                 GraphEdge(INPUT, "talker", "talker_prompt", once=True),
                 *(GraphEdge(INPUT, "talker", n) for n in ("talker_mm", "talker_positions", "talker_delta", "speaker")),
-                StreamingGraphEdge("talker", "code2wav", "codes",
-                                   policy=LeftContext(c.code2wav_chunk_frames, c.code2wav_left_context_frames),
+                StreamingGraphEdge("talker", "code2wav", "codes", policy=codec_policy(c),
                                    topology=PartitionTopology("speak", "code2wav_chunk")),
             ]),
             Walk("code2wav_chunk", "code2wav", [

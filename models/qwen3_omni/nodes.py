@@ -172,7 +172,7 @@ class Code2WavNode(_Stateless):
         groups: dict[tuple[int, int], list[int]] = {}
         for i, call in enumerate(batch):
             assert call.chunk is not None, "code2wav runs in chunk walks only"
-            if call.inputs["codes"].shape[0]:
+            if call.inputs["codes"].shape[0] > call.chunk.new_from - call.chunk.start:  # any new frame
                 groups.setdefault((call.inputs["codes"].shape[0], call.chunk.new_from - call.chunk.start), []).append(i)
         with torch.inference_mode():
             for (_, context), rows in groups.items():

@@ -123,11 +123,17 @@ def test_code_predictor_greedy(parts, reference):
 
 @pytest.mark.parametrize("chunk,left", [(300, 25), (10, 25), (7, 3)])
 def test_code2wav_whole_and_chunked(parts, reference, chunk, left):
+    """Whole and chunked decodes equal transformers'; the served stream's chunking (the runtime's
+    chunker under LeftContext) equals ``chunked_decode``."""
+    from mstar.models.graph import LeftContext
+    from mstar.models.qwen3_omni.direct import stream_decode
+
     codes = torch.randint(0, 64, (1, 4, 47), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         close(parts.code2wav(codes), reference.code2wav(codes))
-        close(parts.code2wav.chunked_decode(codes, chunk, left),
-              reference.code2wav.chunked_decode(codes, chunk_size=chunk, left_context_size=left))
+        ref = reference.code2wav.chunked_decode(codes, chunk_size=chunk, left_context_size=left)
+        close(parts.code2wav.chunked_decode(codes, chunk, left), ref)
+        close(stream_decode(parts.code2wav, codes[0].T, LeftContext(chunk, left)), ref[0, 0])
 
 
 def test_thinker_with_image_and_video(parts, reference):

@@ -75,7 +75,7 @@ def config(name, checkpoint):
     return dataclasses.replace(c, model_kwargs={**c.model_kwargs, "checkpoint": checkpoint})
 
 
-def direct(parts, tokenizer, text, max_tokens, frames, files=(), seed=None):
+def direct(parts, tokenizer, text, max_tokens, frames, files=(), seed=None, policy=None):
     """The direct call on what the conductor makes of the request (prompt ids, media rows)."""
     i = parts.cfg.ids
     ends = [tokenizer.token_to_id(t) for t in ("<|audio_end|>", "<|vision_end|>")]
@@ -95,7 +95,8 @@ def direct(parts, tokenizer, text, max_tokens, frames, files=(), seed=None):
                        video_grids=media.video_grids, video_seconds=media.video_seconds)
     if seed is not None:  # the request knobs' defaults
         kw |= dict(thinker_sampling=Sampling(0.7, 20, 0.8), talker_sampling=Sampling(0.9, 50, 1.0), seed=seed)
-    return generate(parts, ids, max_tokens=max_tokens, talker_max_tokens=frames, chunk=10, left_context=25, **kw)
+    return generate(parts, ids, max_tokens=max_tokens, talker_max_tokens=frames, chunk=10, left_context=25,
+                    policy=policy, **kw)
 
 
 def pcm_of(chunks):
@@ -217,9 +218,8 @@ def test_talker_speaks_while_the_thinker_writes_and_cancel_frees_the_caches(chec
             assert len(lead) == 59 and max(lead) <= 4, lead  # 2 untaken rows + the iterations in flight
             call = mesh.stub.Generate(ask("Hi", request_id="long", max_tokens=2000, max_audio_frames=4000,
                                           ignore_eos=True, **GREEDY), timeout=60)
-            async for r in call:  # cancel once audio flows
-                if any(c.name == "audio" for c in r.chunks):
-                    break
+            while not any(c.name == "audio" for c in (await call.read()).chunks):  # cancel once audio flows
+                pass
             await cancel_and_drain(mesh, call, "long")
             for eng in (thinker, talker):
                 deadline = asyncio.get_running_loop().time() + 5
@@ -232,10 +232,17 @@ def test_talker_speaks_while_the_thinker_writes_and_cancel_frees_the_caches(chec
 
 def test_more_requests_than_slots_wait_their_turn(checkpoint, parts, tokenizer):
     """max_num_seqs: 1: three speech requests at once queue for the Thinker's and the Talker's one
-    slot each and all complete, equal to the direct call."""
+    slot each and all complete, equal to the direct call. Code2Wav's first chunk is shorter here
+    (code2wav_first_chunk_frames: 3 of 5): the direct call cuts the same chunks."""
+    from mstar.models.qwen3_omni.knobs import OmniServeConfig
+    from mstar.models.qwen3_omni.model import codec_policy
+
+    cfg = config("default", checkpoint)
+    cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, "max_num_seqs": 1, "code2wav_chunk_frames": 5,
+                                                 "code2wav_first_chunk_frames": 3})
+    policy = codec_policy(OmniServeConfig.parse(cfg.model_kwargs))
+
     async def go():
-        cfg = config("default", checkpoint)
-        cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, "max_num_seqs": 1})
         async with inprocess_mesh(cfg) as mesh:
             res = await asyncio.gather(*(collect(mesh.stub, ask(t, max_tokens=6, max_audio_frames=12, **GREEDY), timeout=120)
                                          for t in ("One.", "Two.", "Three.")))
@@ -243,6 +250,7 @@ def test_more_requests_than_slots_wait_their_turn(checkpoint, parts, tokenizer):
             return res
 
     for (out, _), text in zip(run(go(), timeout=120), ("One.", "Two.", "Three."), strict=True):
-        want = direct(parts, tokenizer, text, 6, 12)
+        want = direct(parts, tokenizer, text, 6, 12, policy=policy)
+        assert out["audio"][0].data and len(out["audio"][0].data) // 2 < 5 * parts.cfg.code2wav.samples_per_frame
         assert [t for c in out["text"] for t in c.token_ids] == want.tokens
         assert np.array_equal(pcm_of(out["audio"]), expected_pcm(want.audio))
