@@ -40,7 +40,7 @@ class OmniServeConfig(Knobs):
 class OmniRequest(Knobs):
     """A request's ``model_kwargs`` for Qwen3-Omni."""
 
-    modalities: list[Modalities] = Field(default_factory=lambda: ["text", "audio"],
+    modalities: list[Modalities] = Field(["text", "audio"],
                                          description='what to answer with: ["text"] or ["text", "audio"]')
     voice: str = Field("ethan", min_length=1, max_length=64, description="the speaker (one of the checkpoint's)")
     system: str | None = Field(None, max_length=32768, description="a system message")
