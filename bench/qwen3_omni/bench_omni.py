@@ -13,6 +13,7 @@ Measured, per the issue's benchmark section:
 - the baseline at the same concurrencies (batched ``generate``; its first audio is at its end).
 
     python bench/qwen3_omni/bench_omni.py --device cuda --out bench/results/qwen3_omni/h200.json
+    python bench/qwen3_omni/bench_omni.py --device cuda --layout one --model-kwargs '{"code2wav_first_chunk_frames": 2}' ...
     python bench/qwen3_omni/bench_omni.py --device cpu --tiny --out /tmp/omni-smoke.json   # checks the script
 """
 
@@ -275,7 +276,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny random model (CPU smoke run: measures nothing)")
     ap.add_argument("--root", help="folder for the checkpoint and configs (a temporary one otherwise)")
-    ap.add_argument("--layout", choices=["one", "split"], default="one")
+    ap.add_argument("--layout", choices=["one", "split"], default="split",
+                    help="split: Thinker, Talker, Code2Wav in three processes (no shared GIL; one GPU or two)")
     ap.add_argument("--concurrency", default="1,4,8,16,32,64")
     ap.add_argument("--baseline-concurrency", default="1,4,16")
     ap.add_argument("--text-tokens", type=int, default=96)

@@ -192,8 +192,8 @@ class TalkerEngine:
         return outs
 
     def kv_stats(self) -> KvStats:
-        total = len(self.cache.free) + len(self.seqs)
-        return KvStats(total - self.cache.num_free, self.cache.num_free, 0)
+        slots = self.cache.k[0].shape[0]
+        return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
 
     def close(self) -> None:
         pass

@@ -128,7 +128,7 @@ class ThinkerEngine:
             return OmniOut(s.rid, None, SeqStatus.FINISHED_ABORTED, error=f"Thinker prefill failed: {type(e).__name__}: {e}")
 
     def kv_stats(self) -> KvStats:
-        slots = len(self.cache.k[0]) if self.cache.k else 0
+        slots = self.cache.k[0].shape[0]
         return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
 
     def close(self) -> None:
