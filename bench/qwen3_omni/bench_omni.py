@@ -200,14 +200,15 @@ async def level(address: str, streams: int, kw: dict) -> dict:
     return out
 
 
-async def media_request(address: str, kw: dict) -> dict:
+async def media_request(address: str, kw: dict, image: tuple[int, int] = (448, 336)) -> dict:
+    """One request with 4 s of audio and an image (448x336: 147 tokens at patch 16)."""
     import grpc
 
     from mstar.services.links import CHANNEL_OPTIONS
     from mstar.v1 import conductor_pb2_grpc
 
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-        files = [("q.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes())]
+        files = [("q.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes(*image))]
         return await stream(conductor_pb2_grpc.ConductorStub(ch), kw, files)
 
 
@@ -313,8 +314,9 @@ def main() -> None:
             r = asyncio.run(level(mesh.conductor_address, n, {**knobs, "modalities": ["text"]}))
             print(json.dumps(r), flush=True)
             result["mstar_text"].append(r)
-        asyncio.run(media_request(mesh.conductor_address, {**knobs, "max_tokens": 4, "max_audio_frames": 4}))  # warm-up
-        result["media_request"] = asyncio.run(media_request(mesh.conductor_address, knobs))
+        image = (64, 48) if args.tiny else (448, 336)  # the tiny model's patches are 4 pixels
+        asyncio.run(media_request(mesh.conductor_address, {**knobs, "max_tokens": 4, "max_audio_frames": 4}, image))
+        result["media_request"] = asyncio.run(media_request(mesh.conductor_address, knobs, image))
         print(json.dumps(result["media_request"]), flush=True)
     finally:
         mesh.stop()
