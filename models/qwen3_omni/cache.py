@@ -1,8 +1,8 @@
 """A slot KV cache for the Thinker's and the Talker's own engines.
 
 Each running sequence owns one slot: per layer, K and V of ``[max_len, kv_heads, head_dim]`` rows.
-A step attends either one sequence's new tokens (a prefill, causal over the slot's prefix and
-themselves) or one new token of each of several sequences (a decode, each over its own prefix).
+A pass attends either whole prompts of several sequences (a prefill, each causal within itself) or
+one new token of each of several sequences (a decode, each over its own prefix).
 This is the shape the repo's paged ``KVCacheEngine`` does not yet take for these models (M-RoPE
 positions, prompt embeddings, MoE layers, captured hidden states): see the model's README section.
 """
@@ -37,32 +37,35 @@ class SlotCache:
         return len(self.free)
 
 
-@dataclass
-class Prefill:
-    """``n`` new tokens of one sequence, written at ``start`` of ``slot``."""
+class PrefillBatch:
+    """Whole prompts of several sequences in one pass: tokens flat, sequence after sequence
+    (``lengths``), each written at the start of its slot and attending causally within itself
+    (padded to the longest for one attention call per layer)."""
 
-    cache: SlotCache
-    slot: int
-    start: int
-    n: int
+    def __init__(self, cache: SlotCache, slots: list[int], lengths: list[int], device):
+        if max(lengths) > cache.max_len:
+            raise ValueError(f"sequence of {max(lengths)} tokens is longer than the cache's max_len={cache.max_len}")
+        self.cache, self.b, self.longest = cache, len(lengths), max(lengths)
+        seq = torch.repeat_interleave(torch.arange(self.b), torch.tensor(lengths))
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        self.seq, self.pos = seq.to(device), pos.to(device)
+        self.slot = torch.tensor(slots, device=device)[self.seq]
+        keys = torch.arange(self.longest, device=device)
+        valid = keys[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, L]
+        self.mask = (keys[None, :, None] >= keys[None, None, :]) & valid[:, None, :]  # [B, Lq, Lk]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [n, heads, d], k/v [n, kv, d] -> [n, heads, d]."""
-        end = self.start + self.n
-        if end > self.cache.max_len:
-            raise ValueError(f"sequence of {end} tokens is longer than the cache's max_len={self.cache.max_len}")
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[self.slot, :, self.start:end] = k.transpose(0, 1)
-        vc[self.slot, :, self.start:end] = v.transpose(0, 1)
-        keys, values = kc[self.slot : self.slot + 1, :, :end], vc[self.slot : self.slot + 1, :, :end]
-        qh = q.transpose(0, 1).unsqueeze(0)
-        if self.start == 0:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
-        else:
-            rows = torch.arange(self.start, end, device=q.device)[:, None]
-            mask = torch.arange(end, device=q.device)[None, :] <= rows
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
-        return out[0].transpose(0, 1)
+        """q [N, heads, d], k/v [N, kv, d] -> [N, heads, d]."""
+        self.cache.k[layer][self.slot, :, self.pos] = k
+        self.cache.v[layer][self.slot, :, self.pos] = v
+        if self.b == 1:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                                 is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        pad = [t.new_zeros(self.b, self.longest, *t.shape[1:]).index_put_((self.seq, self.pos), t) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in pad), attn_mask=self.mask[:, None],
+                                             enable_gqa=True)
+        return out.transpose(1, 2)[self.seq, self.pos]
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar.metrics import KvStats
-from mstar.models.qwen3_omni.cache import Decode, Prefill, SlotCache
+from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
 from mstar.models.qwen3_omni.positions import decode_positions
 from mstar.models.qwen3_omni.sampling import GREEDY, Sampling, sample
 from mstar.models.qwen3_omni.talker import Talker
@@ -119,7 +119,7 @@ class TalkerEngine:
             self.seen[s.slot] = False
             starts.append(s)
         feeds, self.feeds = self.feeds, {}
-        rows: list[tuple[_Seq, torch.Tensor]] = [(s, self._prefill(s)) for s in starts]
+        rows: list[tuple[_Seq, torch.Tensor]] = list(zip(starts, self._prefill(starts), strict=True)) if starts else []
         if feeds:
             seqs = [self.seqs[r] for r in feeds]
             text = torch.stack([self.tts_pad if f.text is None else self.model.text_projection(
@@ -137,22 +137,34 @@ class TalkerEngine:
         self.steps += 1
         return refused + (self._finish(rows) if rows else [])
 
-    def _prefill(self, s: _Seq) -> torch.Tensor:
+    def _prompt(self, s: _Seq) -> torch.Tensor:
+        """The Talker's prompt embeddings: the user turn (media rows through hidden_projection, text
+        through text_projection), "<|im_start|>assistant\n", then 4 rows of tts_pad over the
+        no-think codes and the voice, tts_bos over codec_pad, the first text row over codec_bos."""
         w, m = s.start, self.model
         src = w.thinker_rows.to(self.device, self.dtype)
         mm = w.mm.to(self.device)
         proj = torch.where(mm[:, None], m.hidden_projection(src), m.text_projection(src))
-        user, assistant = proj[:-3], proj[-3:]
         i = self.ids
         codec = m.codec_embed(torch.tensor([i.codec_nothink, i.codec_think_bos, i.codec_think_eos, w.speaker,
                                             i.codec_pad, i.codec_bos], device=self.device))
         tail = torch.cat([self.tts_pad.expand(4, -1), self.tts_bos[None],
                           m.text_projection(w.first_text.to(self.device, self.dtype))[None]]) + codec
-        embeds = torch.cat([user, assistant, tail])
-        ctx = Prefill(self.cache, s.slot, 0, embeds.shape[0])
-        hidden = m(embeds, w.positions.to(self.device), ctx)
-        s.length = embeds.shape[0]
-        return hidden[-1]
+        return torch.cat([proj, tail])
+
+    def _prefill(self, seqs: list[_Seq]) -> list[torch.Tensor]:
+        """Every started prompt in one pass -> each one's last hidden state."""
+        prompts = [self._prompt(s) for s in seqs]
+        lengths = [p.shape[0] for p in prompts]
+        ctx = PrefillBatch(self.cache, [s.slot for s in seqs], lengths, self.device)
+        positions = torch.cat([s.start.positions for s in seqs], dim=1).to(self.device)
+        hidden = self.model(torch.cat(prompts), positions, ctx)
+        out, at = [], 0
+        for s, n in zip(seqs, lengths, strict=True):
+            s.length = n
+            at += n
+            out.append(hidden[at - 1])
+        return out
 
     def _finish(self, rows: list[tuple[_Seq, torch.Tensor]]) -> list[OmniOut]:
         seqs = [s for s, _ in rows]

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mstar.metrics import KvStats
-from mstar.models.qwen3_omni.cache import Decode, Prefill, SlotCache
+from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
 from mstar.models.qwen3_omni.positions import decode_positions
 from mstar.models.qwen3_omni.sampling import Sampling, sample
 from mstar.models.qwen3_omni.thinker import Thinker
@@ -110,22 +110,23 @@ class ThinkerEngine:
     def step(self) -> list[OmniOut]:
         outs, self.refused = self.refused, []
         decoding = list(self.running.values())
+        admitted: list[tuple[_Seq, tuple]] = []
         while self.waiting and self.cache.num_free:
             s = self.waiting.pop(0)
             s.slot = self.cache.take()
             self.running[s.rid] = s
-            outs.append(self._prefill_or_abort(s))
+            try:  # this request's inputs (media rows, lengths): a bad one aborts alone
+                admitted.append((s, self._inputs(s)))
+            except Exception as e:
+                self.release(s.rid)
+                outs.append(OmniOut(s.rid, None, SeqStatus.FINISHED_ABORTED,
+                                    error=f"Thinker prefill failed: {type(e).__name__}: {e}"))
+        if admitted:
+            outs += self._prefill(admitted)
         if decoding:
             outs += self._decode(decoding)
         self.steps += 1
         return outs
-
-    def _prefill_or_abort(self, s: _Seq) -> OmniOut:
-        try:
-            return self._prefill(s)
-        except Exception as e:  # this request's inputs (media rows, lengths): the others go on
-            self.release(s.rid)
-            return OmniOut(s.rid, None, SeqStatus.FINISHED_ABORTED, error=f"Thinker prefill failed: {type(e).__name__}: {e}")
 
     def kv_stats(self) -> KvStats:
         slots = self.cache.k[0].shape[0]
@@ -141,23 +142,41 @@ class ThinkerEngine:
         return None
 
     # -- passes ------------------------------------------------------------------------------
-    def _prefill(self, s: _Seq) -> OmniOut:
+    def _inputs(self, s: _Seq) -> tuple:
+        """(prompt embeddings, positions, DeepStack (rows, features) or None) of one sequence."""
         w = s.work
         ids = w.prompt_ids.to(self.device)
-        embeds = self.model.prompt_embeds(ids, w.media)
         deep = self.model.deepstack_rows(ids, w.visual_ids, [d.to(self.device, self.dtype) for d in w.deepstack])
-        capture = self.capture if w.talker_rows is not None else None
-        ctx = Prefill(self.cache, s.slot, 0, ids.numel())
-        hidden, captured = self.model(embeds, w.positions.to(self.device), ctx, capture, deep)
-        s.length = ids.numel()
-        extra: dict[str, torch.Tensor] = {}
-        if w.talker_rows is not None:
-            rows = w.talker_rows.to(self.device)
-            mm = w.talker_mm.to(self.device) if w.talker_mm is not None else torch.zeros_like(rows, dtype=torch.bool)
-            src = torch.where(mm[:, None], captured[rows], embeds[rows])  # type: ignore[index]
-            extra["talker_prompt"] = src
-        token = int(self._sample(self.model.logits(hidden[-1:]), [s])[0])
-        return self._advance(s, token, extra)
+        if deep is not None and any(f.shape[0] != deep[0].numel() for f in deep[1]):
+            raise ValueError(f"{deep[0].numel()} visual placeholders, DeepStack rows {[f.shape[0] for f in deep[1]]}")
+        return self.model.prompt_embeds(ids, w.media), w.positions.to(self.device), deep
+
+    def _prefill(self, batch: list[tuple[_Seq, tuple]]) -> list[OmniOut]:
+        """Every admitted prompt in one pass (one attention call per layer over the padded batch)."""
+        seqs = [s for s, _ in batch]
+        lengths = [inp[0].shape[0] for _, inp in batch]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        embeds = torch.cat([inp[0] for _, inp in batch])
+        positions = torch.cat([inp[1] for _, inp in batch], dim=1)
+        deep_rows = [inp[2][0] + at for (_, inp), at in zip(batch, starts, strict=True) if inp[2] is not None]
+        deep_feats = [inp[2][1] for _, inp in batch if inp[2] is not None]
+        deep = (torch.cat(deep_rows), [torch.cat(f) for f in zip(*deep_feats, strict=True)]) if deep_rows else None
+        capture = self.capture if any(s.work.talker_rows is not None for s in seqs) else None
+        ctx = PrefillBatch(self.cache, [s.slot for s in seqs], lengths, self.device)
+        hidden, captured = self.model(embeds, positions, ctx, capture, deep)
+        last = torch.tensor([a + n - 1 for a, n in zip(starts, lengths, strict=True)], device=self.device)
+        tokens = self._sample(self.model.logits(hidden[last]), seqs).tolist()
+        outs = []
+        for s, at, n, t in zip(seqs, starts, lengths, tokens, strict=True):
+            s.length = n
+            extra: dict[str, torch.Tensor] = {}
+            w = s.work
+            if w.talker_rows is not None:
+                rows = w.talker_rows.to(self.device) + at
+                mm = w.talker_mm.to(self.device) if w.talker_mm is not None else torch.zeros_like(rows, dtype=torch.bool)
+                extra["talker_prompt"] = torch.where(mm[:, None], captured[rows], embeds[rows])  # type: ignore[index]
+            outs.append(self._advance(s, int(t), extra))
+        return outs
 
     def _decode(self, seqs: list[_Seq]) -> list[OmniOut]:
         ids = torch.tensor([s.last for s in seqs], device=self.device)
