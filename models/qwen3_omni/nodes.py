@@ -37,7 +37,8 @@ class ThinkerNode(EngineNode):
         p = load_parts(checkpoint, ctx.device, dtype_of(ctx), ("thinker",))
         self.cfg, self.thinker = p.cfg, p.thinker
         assert self.thinker is not None
-        self.engine = ThinkerEngine(self.thinker, p.cfg.accept_hidden_layer, kw.max_num_seqs, max_seq_len)
+        self.engine = ThinkerEngine(self.thinker, p.cfg.accept_hidden_layer, kw.max_num_seqs, max_seq_len,
+                                    kw.max_prefill_tokens)
         with torch.inference_mode():
             self.tts_eos = self.thinker.embed(torch.tensor([p.cfg.ids.tts_eos], device=ctx.device)).float().cpu()
         self.stop = (p.cfg.ids.im_end,)

@@ -66,12 +66,15 @@ class _Seq:
 
 
 class ThinkerEngine:
-    def __init__(self, model: Thinker, capture_layer: int, max_num_seqs: int, max_seq_len: int):
+    def __init__(self, model: Thinker, capture_layer: int, max_num_seqs: int, max_seq_len: int,
+                 max_prefill_tokens: int = 8192):
+        """``max_prefill_tokens``: prompts admitted in one step add up to at most this many tokens
+        (one longer prompt still goes alone)."""
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         c = model.cfg
         self.cache = SlotCache(c.num_layers, max_num_seqs, max_seq_len, c.num_kv_heads, c.head_dim, p.device, p.dtype)
-        self.capture = capture_layer
+        self.capture, self.max_prefill_tokens = capture_layer, max_prefill_tokens
         self.waiting: list[_Seq] = []  # submitted, no slot yet (admitted in order as slots free up)
         self.running: dict[str, _Seq] = {}
         self.refused: list[OmniOut] = []  # answered with the next step
@@ -111,8 +114,10 @@ class ThinkerEngine:
         outs, self.refused = self.refused, []
         decoding = list(self.running.values())
         admitted: list[tuple[_Seq, tuple]] = []
-        while self.waiting and self.cache.num_free:
+        budget = self.max_prefill_tokens
+        while self.waiting and self.cache.num_free and (not admitted or self.waiting[0].work.prompt_ids.numel() <= budget):
             s = self.waiting.pop(0)
+            budget -= s.work.prompt_ids.numel()
             s.slot = self.cache.take()
             self.running[s.rid] = s
             try:  # this request's inputs (media rows, lengths): a bad one aborts alone

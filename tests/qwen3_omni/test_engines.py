@@ -50,6 +50,11 @@ def test_thinker_batch_equals_each_alone(parts):
         assert tokens[f"r{k}"] == t["x"]
         assert torch.allclose(rows[f"r{k}"], r["x"], atol=1e-5)
     assert together.cache.num_free == 4
+    budget = ThinkerEngine(parts.thinker, parts.cfg.accept_hidden_layer, 4, 128, max_prefill_tokens=len(ps[0]) + 1)
+    for k, ids in enumerate(ps):
+        budget.submit(f"r{k}", start(parts, ids))
+    assert [o.request_id for o in budget.step()] == ["r0"]  # r1 would pass the step's prompt tokens
+    assert tokens == run_engine(budget)[0] | {"r0": tokens["r0"]} and budget.steps > 3
 
 
 def test_thinker_waits_for_slots_and_refuses_alone(parts):
