@@ -150,7 +150,8 @@ class Experts(nn.Module):
         t, k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.gate_up.shape[0]), 0).to(torch.int32)
+        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
         token = order // k
         gate, up = torch._grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down.transpose(1, 2), offs=offs)
