@@ -100,32 +100,3 @@ class NoCache:
                                              is_causal=True, enable_gqa=True)
         return out.transpose(0, 1)
 
-
-class Lockstep:
-    """``batch`` sequences of equal length growing together by ``n`` tokens a pass (the code
-    predictor: one short sequence per frame, every frame of a step at the same position)."""
-
-    def __init__(self, batch: int):
-        self.batch = batch
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B*n, heads, d], k/v [B*n, kv, d] (row-major by sequence) -> [B*n, heads, d]."""
-        b = self.batch
-        n = q.shape[0] // b
-        k = k.reshape(b, n, *k.shape[1:]).transpose(1, 2)
-        v = v.reshape(b, n, *v.shape[1:]).transpose(1, 2)
-        past = self.k.get(layer)
-        keys = k if past is None else torch.cat([past, k], dim=2)
-        values = v if past is None else torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = keys, values
-        qh = q.reshape(b, n, *q.shape[1:]).transpose(1, 2)
-        start = keys.shape[2] - n
-        if n == 1:
-            out = F.scaled_dot_product_attention(qh, keys, values, enable_gqa=True)
-        else:
-            rows = torch.arange(start, start + n, device=q.device)[:, None]
-            mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= rows
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b * n, out.shape[1], out.shape[-1])

@@ -93,6 +93,7 @@ class TalkerNode(EngineNode):
         p = load_parts(checkpoint, ctx.device, dtype_of(ctx), ("talker",))
         assert p.talker is not None
         self.cfg = p.cfg
+        p.talker.code_predictor.cuda_graphs = kw.cuda_graphs
         self.engine = TalkerEngine(p.talker, p.specials(), kw.max_num_seqs, max_seq_len)
         self.no_frame = torch.zeros(0, p.cfg.num_code_groups, dtype=torch.int64)
         log.info("qwen3-omni talker loaded from %s on %s", checkpoint, ctx.device)

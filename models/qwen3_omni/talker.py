@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.models.qwen3_omni.cache import Lockstep
 from mstar.models.qwen3_omni.config import DecoderConfig, OmniConfig
-from mstar.models.qwen3_omni.layers import Decoder, inv_freq, rope_1d, rope_mrope
-from mstar.models.qwen3_omni.sampling import Sampling, sample
+from mstar.models.qwen3_omni.layers import Decoder, inv_freq, rope_mrope
+from mstar.models.qwen3_omni.sampling import Sampling
+
+#: the code predictor's sampling when the Talker samples (transformers' top_k=50, top_p=0.8)
+PREDICTOR_SAMPLING = Sampling(temperature=1.0, top_k=50, top_p=0.8)
 
 
 class ResizeMLP(nn.Module):
@@ -39,26 +41,26 @@ class CodePredictor(nn.Module):
         self.model = Decoder(cfg, "none", embeds, "codec_embedding")
         self.lm_head = nn.ModuleList([nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(groups - 1)])
         self.register_buffer("freqs", inv_freq(cfg.rope_theta, cfg.head_dim), persistent=False)
+        self._loop = None
 
-    def predict(self, hidden: torch.Tensor, code0_embed: torch.Tensor, sampling: list[Sampling] | None = None,
-                generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, code0_embed [B, H] -> (codes 1..G-1 [B, G-1], the sum of their embeddings [B, H])."""
+    #: CUDA graphs for the frame loop (on CUDA; a capture that fails turns them off, logged)
+    cuda_graphs: bool = True
+
+    def predict(self, hidden: torch.Tensor, code0_embed: torch.Tensor, greedy: torch.Tensor | None = None,
+                generators: list[torch.Generator | None] | None = None,
+                sampling: Sampling = PREDICTOR_SAMPLING) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, code0_embed [B, H] -> (codes 1..G-1 [B, G-1], the sum of their embeddings [B, H]).
+        ``greedy`` [B] bool (default: every row); the other rows sample under ``sampling``, each
+        from its generator (None: a shared draw)."""
+        from mstar.models.qwen3_omni.predictor_loop import PredictorLoop
+
         b = hidden.shape[0]
-        ctx = Lockstep(b)
-        x = torch.stack([hidden, code0_embed], dim=1).reshape(2 * b, -1)
-        pos = torch.arange(2, device=hidden.device)
-        codes, total = [], torch.zeros_like(hidden)
-        for j in range(self.groups - 1):
-            cos, sin = rope_1d(pos.repeat(b), self.freqs)
-            h, _ = self.model(x, cos, sin, ctx)
-            last = h.reshape(b, -1, h.shape[-1])[:, -1]
-            logits = self.lm_head[j](last)
-            code = sample(logits, sampling, generators) if sampling is not None else logits.argmax(-1)
-            codes.append(code)
-            emb = self.model.codec_embedding[j](code)
-            total = total + emb
-            x, pos = emb, pos[-1:] + 1
-        return torch.stack(codes, dim=1), total
+        if greedy is None:
+            greedy = torch.ones(b, dtype=torch.bool)
+        if self._loop is None or self._loop.sampling != sampling or self._loop.device != hidden.device:
+            graphs = self.cuda_graphs and hidden.device.type == "cuda"
+            self._loop = PredictorLoop(self, sampling, hidden.device, graphs)
+        return self._loop.run(hidden, code0_embed, greedy, generators or [None] * b)
 
 
 class Talker(nn.Module):

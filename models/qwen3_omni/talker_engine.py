@@ -18,13 +18,10 @@ import torch
 from mstar.metrics import KvStats
 from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
 from mstar.models.qwen3_omni.positions import decode_positions
-from mstar.models.qwen3_omni.sampling import GREEDY, Sampling, sample
+from mstar.models.qwen3_omni.sampling import Sampling, sample
 from mstar.models.qwen3_omni.talker import Talker
 from mstar.models.qwen3_omni.thinker_engine import OmniOut
 from mstar.services.engines.sequence import SeqStatus
-
-#: the code predictor's sampling when the Talker samples (the reference's top_k=50, top_p=0.8)
-PREDICTOR_SAMPLING = Sampling(temperature=1.0, top_k=50, top_p=0.8)
 
 
 @dataclass(frozen=True)
@@ -184,8 +181,8 @@ class TalkerEngine:
             c0 = torch.tensor([code0[k] for k in going], device=self.device)
             e0 = self.model.codec_embed(c0)
             # each row's residual codes sample as its code0 does (greedy rows stay greedy)
-            modes = [GREEDY if seqs[k].start.sampling.greedy else PREDICTOR_SAMPLING for k in going]
-            rest, rest_sum = self.model.code_predictor.predict(hidden[going], e0, modes, [seqs[k].generator for k in going])
+            greedy = torch.tensor([seqs[k].start.sampling.greedy for k in going])
+            rest, rest_sum = self.model.code_predictor.predict(hidden[going], e0, greedy, [seqs[k].generator for k in going])
             whole = torch.cat([c0[:, None], rest], dim=1).cpu()  # one copy for the step
             for j, k in enumerate(going):
                 seqs[k].next_codec = e0[j] + rest_sum[j]

@@ -158,3 +158,21 @@ def test_thinker_with_image_and_video(parts, reference):
         embeds = parts.thinker.prompt_embeds(ids_t, {i.image: merged[:n_img], i.video: merged[n_img:]})
         h, _ = parts.thinker(embeds, pos, NoCache(), deepstack=parts.thinker.deepstack_rows(ids_t, (i.image, i.video), deep))
         close(parts.thinker.logits(h), ref.logits[0])
+
+
+def test_code_predictor_sampling_is_seeded_per_row(parts):
+    """Sampled rows repeat with their generator's seed whatever else shares the batch; greedy
+    rows in the same batch stay greedy."""
+    g = torch.Generator().manual_seed(14)
+    hidden = torch.randn(3, parts.cfg.talker.hidden_size, generator=g)
+    e0 = parts.talker.codec_embed(torch.randint(0, 64, (3,), generator=g))
+    cp = parts.talker.code_predictor
+
+    def seeded(s):
+        return torch.Generator().manual_seed(s)
+
+    with torch.no_grad():
+        greedy, _ = cp.predict(hidden, e0)
+        mixed, _ = cp.predict(hidden, e0, torch.tensor([True, False, False]), [None, seeded(1), seeded(2)])
+        alone, _ = cp.predict(hidden[1:2], e0[1:2], torch.tensor([False]), [seeded(1)])
+    assert torch.equal(mixed[0], greedy[0]) and torch.equal(mixed[1], alone[0])
