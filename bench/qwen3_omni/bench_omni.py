@@ -6,6 +6,9 @@ bf16 weights made on load (``random_weights.json``: nothing large is written); t
 model gets the very same tensors (made by name, on the same device). Every stream runs to its
 lengths (``ignore_eos``), so both sides make the same number of tokens and frames.
 
+Memory: ~69 GB of bf16 weights; one H200, or two GPUs with ``--layout split`` (the Talker and
+Code2Wav on the second); the transformers baseline loads after M* has stopped, on the first GPU.
+
 Measured, per the issue's benchmark section:
 - speech answers to text prompts at each concurrency: audio seconds per second, RTF per stream,
   time to the first audio packet (p50 / max), whether every stream is real time;
