@@ -17,6 +17,7 @@ _REGISTRY: dict[str, str] = {
     "vjepa2": "mstar.models.vjepa2.model:VJepa2Model",
     "pi05": "mstar.models.pi05.model:Pi05Model",
     "bagel": "mstar.models.bagel.model:BagelModel",
+    "qwen3_omni": "mstar.models.qwen3_omni.model:Qwen3OmniModel",
 }
 
 # name -> "module:Class" of its request knobs (mstar.models.knobs.Knobs; no torch imported):
@@ -27,6 +28,7 @@ _REQUEST_SCHEMAS: dict[str, str] = {
     "pi05": "mstar.models.pi05.knobs:Pi05Request",
     "vjepa2": "mstar.models.vjepa2.knobs:VJepa2Request",
     "bagel": "mstar.models.bagel.schema:BagelRequest",
+    "qwen3_omni": "mstar.models.qwen3_omni.knobs:OmniRequest",
 }
 
 _MODELS_DIR = Path(__file__).resolve().parent

@@ -1,0 +1,102 @@
+"""A slot KV cache for the Thinker's and the Talker's own engines.
+
+Each running sequence owns one slot: per layer, K and V of ``[max_len, kv_heads, head_dim]`` rows.
+A pass attends either whole prompts of several sequences (a prefill, each causal within itself) or
+one new token of each of several sequences (a decode, each over its own prefix).
+This is the shape the repo's paged ``KVCacheEngine`` does not yet take for these models (M-RoPE
+positions, prompt embeddings, MoE layers, captured hidden states): see the model's README section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class SlotCache:
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype):
+        shape = (num_slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def take(self) -> int:
+        if not self.free:
+            raise RuntimeError("no free KV slot: every slot holds a running sequence (raise max_num_seqs)")
+        return self.free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+
+class PrefillBatch:
+    """Whole prompts of several sequences in one pass: tokens flat, sequence after sequence
+    (``lengths``), each written at the start of its slot and attending causally within itself
+    (padded to the longest for one attention call per layer)."""
+
+    def __init__(self, cache: SlotCache, slots: list[int], lengths: list[int], device):
+        if max(lengths) > cache.max_len:
+            raise ValueError(f"sequence of {max(lengths)} tokens is longer than the cache's max_len={cache.max_len}")
+        self.cache, self.b, self.longest = cache, len(lengths), max(lengths)
+        seq = torch.repeat_interleave(torch.arange(self.b), torch.tensor(lengths))
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        self.seq, self.pos = seq.to(device), pos.to(device)
+        self.slot = torch.tensor(slots, device=device)[self.seq]
+        keys = torch.arange(self.longest, device=device)
+        valid = keys[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, L]
+        self.mask = (keys[None, :, None] >= keys[None, None, :]) & valid[:, None, :]  # [B, Lq, Lk]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, heads, d], k/v [N, kv, d] -> [N, heads, d]."""
+        self.cache.k[layer][self.slot, :, self.pos] = k
+        self.cache.v[layer][self.slot, :, self.pos] = v
+        if self.b == 1:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                                 is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        pad = [t.new_zeros(self.b, self.longest, *t.shape[1:]).index_put_((self.seq, self.pos), t) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in pad), attn_mask=self.mask[:, None],
+                                             enable_gqa=True)
+        return out.transpose(1, 2)[self.seq, self.pos]
+
+
+@dataclass
+class Decode:
+    """One new token per sequence; ``lengths[b]`` tokens of ``slots[b]`` precede it."""
+
+    cache: SlotCache
+    slots: torch.Tensor  # [B] int64 on the cache's device
+    lengths: torch.Tensor  # [B] int64 on the cache's device
+    max_len: int  # max(lengths) + 1, a host int
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, d], k/v [B, kv, d] -> [B, heads, d]."""
+        if self.max_len > self.cache.max_len:
+            raise ValueError(f"sequence of {self.max_len} tokens is longer than the cache's max_len={self.cache.max_len}")
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc[self.slots, :, self.lengths] = k
+        vc[self.slots, :, self.lengths] = v
+        keys, values = kc[self.slots, :, : self.max_len], vc[self.slots, :, : self.max_len]
+        mask = torch.arange(self.max_len, device=q.device)[None, :] <= self.lengths[:, None]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+                                             enable_gqa=True)
+        return out[:, :, 0]
+
+
+@dataclass
+class NoCache:
+    """A whole sequence at once, causal (tests, the code predictor's short sequences)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1)
+

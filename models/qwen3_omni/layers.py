@@ -1,0 +1,252 @@
+"""The blocks of Qwen3-Omni's decoders: RMSNorm, rotary tables (1-D and interleaved M-RoPE),
+attention with per-head q/k norms over a cache context (cache.py), SwiGLU, and the two MoE
+blocks (the Thinker's top-k router; the Talker's, plus a sigmoid-gated shared expert).
+
+Tokens are flat ``[N, hidden]``; the cache context knows which sequence each row belongs to.
+Parameter names follow the checkpoint (``q_proj``, ``mlp.gate``...), experts stacked per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.models.qwen3_omni.config import DecoderConfig
+
+#: without torch._grouped_mm, a step with at most this many (token, expert) pairs gathers each
+#: pair's expert weights (one batched matmul); larger ones loop over the experts hit
+GATHER_MAX_PAIRS = 64
+#: MoE paths: "grouped_mm" (tokens sorted by expert, one grouped GEMM for gate/up and one for down:
+#: no Python loop, no host sync, CUDA-graph friendly), "gather", "loop" (the naive per-expert path)
+MOE_PATHS = ("auto", "grouped_mm", "gather", "loop")
+
+
+def grouped_mm_ok(*dims: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
+    """torch._grouped_mm exists for this device and dtype (CUDA: bfloat16 on sm_90+) and these
+    inner dimensions meet its 16-byte stride rule."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dev = torch.device(device)
+    if dev.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(dev) < (9, 0)):
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return all((d * size) % 16 == 0 for d in dims)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+
+
+def rope_1d(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N] -> cos, sin [N, dim] (fp32)."""
+    f = positions.float()[:, None] * freqs.to(positions.device)[None, :]
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rope_mrope(positions: torch.Tensor, freqs: torch.Tensor, section: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved M-RoPE: positions [3, N] (temporal, height, width) -> cos, sin [N, dim].
+    Frequency i rotates by the temporal position, except every third one from 1 (height,
+    ``section[1]`` of them) and from 2 (width, ``section[2]``)."""
+    f = positions.float()[..., None] * freqs.to(positions.device)  # [3, N, dim/2]
+    out = f[0].clone()
+    for axis in (1, 2):
+        idx = slice(axis, section[axis] * 3, 3)
+        out[..., idx] = f[axis][..., idx]
+    emb = torch.cat([out, out], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, dim]; cos/sin [N, dim]."""
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * c + rotate_half(x) * s
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True,
+                 bias: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, layer: int) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(ctx.attend(layer, q, k, v).reshape(n, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden))
+
+
+class Experts(nn.Module):
+    """All experts of one layer: ``gate_up`` [E, 2I, H] (gate rows first), ``down`` [E, H, I]."""
+
+    def __init__(self, experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.zeros(experts, 2 * inner, hidden))
+        self.down = nn.Parameter(torch.zeros(experts, hidden, inner))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, path: str = "auto") -> torch.Tensor:
+        """x [T, H], index/weight [T, k] -> sum_k weight * expert_k(x)."""
+        t, k = index.shape
+        if path == "auto":
+            path = "grouped_mm" if grouped_mm_ok(*self.down.shape[1:], dtype=x.dtype, device=x.device) else \
+                "gather" if t * k <= GATHER_MAX_PAIRS else "loop"
+        if path == "grouped_mm":
+            return self._grouped_mm(x, index, weight)
+        if path == "gather":
+            flat = index.reshape(-1)
+            xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
+            gate, up = torch.bmm(self.gate_up[flat], xs)[..., 0].chunk(2, dim=-1)
+            y = torch.bmm(self.down[flat], (F.silu(gate) * up)[:, :, None])[..., 0]
+            return (y.view(t, k, -1) * weight[..., None].to(y.dtype)).sum(1)
+        return self._loop(x, index, weight)
+
+    def _grouped_mm(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        t, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
+        token = order // k
+        gate, up = torch._grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down.transpose(1, 2), offs=offs)
+        scaled = y * weight.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, scaled)
+
+    def _loop(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert; one matmul pair per expert that has any (the naive path: the
+        parity reference for a fused kernel, and the prefill path on a CPU)."""
+        t, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        token = order // k
+        xs = x[token]
+        out = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)
+        at = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            seg = xs[at : at + c]
+            gate, up = F.linear(seg, self.gate_up[e]).chunk(2, dim=-1)
+            out[at : at + c] = F.linear(F.silu(gate) * up, self.down[e])
+            at += c
+        scaled = out * weight.reshape(-1)[order, None].to(out.dtype)
+        y = torch.zeros_like(x)
+        return y.index_add_(0, token, scaled)
+
+
+class SparseMoe(nn.Module):
+    """Top-k routed experts; with ``shared`` (the Talker) plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: DecoderConfig, shared: bool):
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size) if shared else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        self.path = "auto"  # one of MOE_PATHS (tests pin one)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        y = self.experts(x, index, top.to(logits.dtype), self.path)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # type: ignore[misc]
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, index: int, moe: str):
+        """``moe``: "thinker" (routed experts where the config says, SwiGLU elsewhere), "talker"
+        (routed + shared expert in every layer) or "none" (the code predictor)."""
+        super().__init__()
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module
+        if moe == "talker":
+            self.mlp = SparseMoe(cfg, shared=True)
+        elif moe == "thinker" and cfg.is_moe_layer(index):
+            self.mlp = SparseMoe(cfg, shared=False)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, self.index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Layers + final norm over input embeddings. ``capture`` (k >= 1): also return the output
+    of layer k-1 (transformers' ``hidden_states[k]``, taken before any DeepStack add)."""
+
+    def __init__(self, cfg: DecoderConfig, moe: str, embedding: nn.Module | None = None, embedding_name: str = ""):
+        super().__init__()
+        self.cfg = cfg
+        if embedding is not None:  # named as in the checkpoint (embed_tokens, codec_embedding)
+            setattr(self, embedding_name, embedding)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, moe) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, capture: int | None = None,
+                deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        captured = None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx)
+            if capture is not None and i == capture - 1:
+                captured = x
+            if deepstack is not None and i < len(deepstack[1]):
+                rows, feats = deepstack
+                x = x.index_add(0, rows, feats[i].to(x.dtype))
+        return self.norm(x), captured

@@ -1,0 +1,214 @@
+"""The Talker's sequence engine (the ``EngineNode`` surface) over its MoE decoder, code predictor
+and a slot KV cache of its own.
+
+Unlike a text LLM, each Talker step reads an input the graph supplies: the next row of the
+Thinker's text stream (or none once that stream ended). So every call of the Talker's loop hands
+the engine work: ``TalkerStart`` (its prompt, once) or ``TalkerFeed`` (one step), and each work
+item is answered by one output: the frame's first code (``token_id``) and, unless it is the end
+of speech, the whole frame (``extra["frame"]``, ``num_code_groups`` codes). The feeds of all
+requests waiting when a step starts run as one batched decode and one batched code prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.metrics import KvStats
+from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
+from mstar.models.qwen3_omni.positions import decode_positions
+from mstar.models.qwen3_omni.sampling import Sampling, sample
+from mstar.models.qwen3_omni.talker import Talker
+from mstar.models.qwen3_omni.thinker_engine import OmniOut
+from mstar.services.engines.sequence import SeqStatus
+
+
+@dataclass(frozen=True)
+class TalkerStart:
+    thinker_rows: torch.Tensor  # [U + 3, thinker hidden]: the user turn's rows, then "<|im_start|>assistant\n"
+    mm: torch.Tensor  # [U + 3] bool: rows that are media states (hidden_projection), else embeddings
+    first_text: torch.Tensor  # [thinker hidden]: the embedding of the Thinker's first token
+    speaker: int  # codec id of the voice
+    positions: torch.Tensor  # [3, U + 9]
+    delta: int
+    sampling: Sampling
+    max_tokens: int
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False  # never draw the end of speech (benchmarks)
+
+
+@dataclass(frozen=True)
+class TalkerFeed:
+    text: torch.Tensor | None  # [thinker hidden] the next text row; None: the text ended (tts_pad)
+
+
+@dataclass(eq=False)
+class _Seq:
+    rid: str
+    start: TalkerStart
+    slot: int = -1  # -1: waiting for a free slot
+    length: int = 0
+    code0: list[int] = field(default_factory=list)
+    next_codec: torch.Tensor | None = None  # the summed codec embeddings of the last frame
+    generator: torch.Generator | None = None
+
+
+class TalkerEngine:
+    def __init__(self, model: Talker, specials: torch.Tensor, max_num_seqs: int, max_seq_len: int):
+        """``specials`` [3, thinker hidden]: the Thinker's embeddings of tts_bos, tts_eos, tts_pad."""
+        p = next(model.parameters())
+        self.model, self.device, self.dtype = model, p.device, p.dtype
+        c = model.cfg
+        self.cache = SlotCache(c.num_layers, max_num_seqs, max_seq_len, c.num_kv_heads, c.head_dim, p.device, p.dtype)
+        with torch.inference_mode():
+            self.tts_bos, self.tts_eos, self.tts_pad = model.text_projection(specials.to(self.device, self.dtype))
+        self.ids = model.omni.ids
+        self.seen = torch.zeros(max_num_seqs, c.vocab_size, dtype=torch.bool, device=self.device)  # code0s drawn, per slot
+        self.seqs: dict[str, _Seq] = {}
+        self.starts: list[str] = []  # sequences waiting for a slot and their prefill, in order
+        self.feeds: dict[str, TalkerFeed] = {}
+        self.refused: list[OmniOut] = []
+        self.steps = 0
+
+    def submit(self, rid: str, work: TalkerStart | TalkerFeed) -> None:
+        """A start waits for a free slot (admitted in order); work the engine cannot take is
+        answered, aborted with the reason, by the next step."""
+        why = None
+        if isinstance(work, TalkerStart):
+            if rid in self.seqs:
+                why = f"request {rid} already has a Talker sequence"
+            elif work.positions.shape[1] + work.max_tokens > self.cache.max_len:
+                why = f"Talker prompt + max_tokens exceeds max_seq_len={self.cache.max_len}"
+            else:
+                gen = None
+                if not work.sampling.greedy:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+                self.seqs[rid] = _Seq(rid, work, generator=gen)
+                self.starts.append(rid)
+        elif rid not in self.seqs or self.seqs[rid].next_codec is None:
+            why = f"request {rid}: a Talker step without a running sequence"
+        else:
+            self.feeds[rid] = work
+        if why is not None:
+            self.refused.append(OmniOut(rid, None, SeqStatus.FINISHED_ABORTED, error=f"refused by the Talker: {why}"))
+
+    def release(self, rid: str) -> None:
+        seq = self.seqs.pop(rid, None)
+        self.starts = [r for r in self.starts if r != rid]
+        self.feeds.pop(rid, None)
+        if seq is not None and seq.slot >= 0:
+            self.cache.give_back(seq.slot)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.starts) or bool(self.feeds) or bool(self.refused)
+
+    @torch.inference_mode()
+    def step(self) -> list[OmniOut]:
+        refused, self.refused = self.refused, []
+        starts = []
+        while self.starts and self.cache.num_free:
+            s = self.seqs[self.starts.pop(0)]
+            s.slot = self.cache.take()
+            self.seen[s.slot] = False
+            starts.append(s)
+        feeds, self.feeds = self.feeds, {}
+        rows: list[tuple[_Seq, torch.Tensor]] = list(zip(starts, self._prefill(starts), strict=True)) if starts else []
+        if feeds:
+            seqs = [self.seqs[r] for r in feeds]
+            text = torch.stack([self.tts_pad if f.text is None else self.model.text_projection(
+                f.text.to(self.device, self.dtype)) for f in feeds.values()])
+            embeds = torch.stack([s.next_codec for s in seqs]) + text  # type: ignore[misc]
+            pos = torch.cat([decode_positions(s.start.positions.shape[1], s.start.delta, 1, len(s.code0) - 1)
+                             for s in seqs], 1)
+            lengths = [s.length for s in seqs]
+            ctx = Decode(self.cache, torch.tensor([s.slot for s in seqs], device=self.device),
+                         torch.tensor(lengths, device=self.device), max(lengths) + 1)
+            hidden = self.model(embeds, pos.to(self.device), ctx)
+            for s, h in zip(seqs, hidden, strict=True):
+                s.length += 1
+                rows.append((s, h))
+        self.steps += 1
+        return refused + (self._finish(rows) if rows else [])
+
+    def _prompt(self, s: _Seq) -> torch.Tensor:
+        """The Talker's prompt embeddings: the user turn (media rows through hidden_projection, text
+        through text_projection), "<|im_start|>assistant\n", then 4 rows of tts_pad over the
+        no-think codes and the voice, tts_bos over codec_pad, the first text row over codec_bos."""
+        w, m = s.start, self.model
+        src = w.thinker_rows.to(self.device, self.dtype)
+        mm = w.mm.to(self.device)
+        proj = torch.where(mm[:, None], m.hidden_projection(src), m.text_projection(src))
+        i = self.ids
+        codec = m.codec_embed(torch.tensor([i.codec_nothink, i.codec_think_bos, i.codec_think_eos, w.speaker,
+                                            i.codec_pad, i.codec_bos], device=self.device))
+        tail = torch.cat([self.tts_pad.expand(4, -1), self.tts_bos[None],
+                          m.text_projection(w.first_text.to(self.device, self.dtype))[None]]) + codec
+        return torch.cat([proj, tail])
+
+    def _prefill(self, seqs: list[_Seq]) -> list[torch.Tensor]:
+        """Every started prompt in one pass -> each one's last hidden state."""
+        prompts = [self._prompt(s) for s in seqs]
+        lengths = [p.shape[0] for p in prompts]
+        ctx = PrefillBatch(self.cache, [s.slot for s in seqs], lengths, self.device)
+        positions = torch.cat([s.start.positions for s in seqs], dim=1).to(self.device)
+        hidden = self.model(torch.cat(prompts), positions, ctx)
+        out, at = [], 0
+        for s, n in zip(seqs, lengths, strict=True):
+            s.length = n
+            at += n
+            out.append(hidden[at - 1])
+        return out
+
+    def _finish(self, rows: list[tuple[_Seq, torch.Tensor]]) -> list[OmniOut]:
+        seqs = [s for s, _ in rows]
+        hidden = torch.stack([h for _, h in rows])
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        penalty = torch.tensor([s.start.repetition_penalty for s in seqs])
+        logits = self.model.code0_logits(hidden, self.seen[slots], penalty)
+        no_eos = [k for k, s in enumerate(seqs) if s.start.ignore_eos]
+        if no_eos:
+            logits[no_eos, self.ids.codec_eos] = float("-inf")
+        drawn = sample(logits, [s.start.sampling for s in seqs], [s.generator for s in seqs])
+        self.seen[slots, drawn] = True
+        code0 = drawn.tolist()
+        going = [k for k, c in enumerate(code0) if c != self.ids.codec_eos and len(seqs[k].code0) + 1 < seqs[k].start.max_tokens]
+        frames: dict[int, torch.Tensor] = {}
+        if going:
+            c0 = torch.tensor([code0[k] for k in going], device=self.device)
+            e0 = self.model.codec_embed(c0)
+            # each row's residual codes sample as its code0 does (greedy rows stay greedy)
+            greedy = torch.tensor([seqs[k].start.sampling.greedy for k in going])
+            rest, rest_sum = self.model.code_predictor.predict(hidden[going], e0, greedy, [seqs[k].generator for k in going])
+            whole = torch.cat([c0[:, None], rest], dim=1).cpu()  # one copy for the step
+            for j, k in enumerate(going):
+                seqs[k].next_codec = e0[j] + rest_sum[j]
+                frames[k] = whole[j]
+        outs = []
+        for k, s in enumerate(seqs):
+            s.code0.append(code0[k])
+            status = SeqStatus.RUNNING
+            if code0[k] == self.ids.codec_eos:
+                status = SeqStatus.FINISHED_STOPPED
+            elif k not in frames:
+                status = SeqStatus.FINISHED_LENGTH
+            if status.finished:
+                self.release(s.rid)
+            outs.append(OmniOut(s.rid, code0[k], status, extra={"frame": frames.get(k)}))
+        return outs
+
+    def kv_stats(self) -> KvStats:
+        slots = self.cache.k[0].shape[0]
+        return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
+
+    def close(self) -> None:
+        pass
+
+    def follow(self) -> None:
+        raise TypeError("the Talker engine does not run tensor-parallel")
+
+    def exit_reason(self) -> str | None:
+        return None

@@ -1,0 +1,53 @@
+"""Conductor-side media decoding: what the encoders receive."""
+
+import pytest
+import torch
+from test_serving import mp4_bytes, png_bytes, wav_bytes
+
+from mstar.models.base import InputFile, InvalidArgument
+from mstar.models.qwen3_omni.audio import output_lengths
+from mstar.models.qwen3_omni.media import MediaDecoder
+
+
+@pytest.fixture()
+def media(parts):
+    return MediaDecoder(parts.cfg, parts.reader.directory, 10.0, 1280 * 28 * 28 * 4, 1 << 26, max_video_seconds=10.0)
+
+
+def test_audio_image_video_in_order(media, parts):
+    m = media.decode([InputFile("a.wav", "audio/wav", wav_bytes(1.3)), InputFile("b.png", "image/png", png_bytes()),
+                      InputFile("c.mp4", "video/mp4", mp4_bytes(frames=6, fps=4))])
+    assert m.audio_lengths == [130] and m.audio_rows == [int(output_lengths(torch.tensor(130)))]  # 100 mel frames a second
+    assert m.audio_features.shape == (parts.cfg.audio.num_mel_bins, 130)
+    v = parts.cfg.vision
+    (t, h, w), (vt, vh, vw) = m.grids[0], m.video_grids[0]
+    assert t == 1 and vt == 2  # 1.5 s at 2 fps: 3 frames, the last repeated into a second temporal patch
+    assert m.video_seconds == [v.temporal_patch_size / 2.0]
+    assert m.pixels.shape == (h * w + vt * vh * vw, v.in_channels * v.temporal_patch_size * v.patch_size**2)
+    assert m.image_rows == [h * w // 4] and m.video_rows == [vt * vh * vw // 4]
+
+
+def test_video_patches_pair_consecutive_frames(media, parts):
+    """Temporal patch g holds frames 2g and 2g+1 on its temporal axis, each as the image processor
+    makes that frame alone (the Qwen2-VL video layout)."""
+    data = mp4_bytes(frames=8, fps=2)  # 4 s at 2 fps: frames are the video's own
+    frames = media._frames(data, "files[0]")
+    px, (gt, gh, gw) = media._video(data, "files[0]")
+    v = parts.cfg.vision
+    grouped = px.view(gt, gh * gw, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    ip = media._processor(min(media.max_pixels, 256 * 32 * 32))
+    for k, frame in enumerate(frames):
+        still = ip(images=[frame], return_tensors="pt")["pixel_values"].view(gh * gw, v.in_channels, v.temporal_patch_size,
+                                                                              v.patch_size, v.patch_size)[:, :, 0]
+        assert torch.equal(grouped[k // 2, :, :, k % 2], still)
+
+
+@pytest.mark.parametrize("name,kind,data,why", [
+    ("long.wav", "audio/wav", wav_bytes(12.0, rate=8000), "audio of 12.0 s"),
+    ("x.mp4", "video/mp4", b"not a video", "not a readable video"),
+    ("x.bin", "", b"?", "content type"),
+])
+def test_bad_media_names_the_file(media, name, kind, data, why):
+    with pytest.raises(InvalidArgument) as e:
+        media.decode([InputFile("ok.png", "image/png", png_bytes()), InputFile(name, kind, data)])
+    assert e.value.field == "files[1]" and why in e.value.description
