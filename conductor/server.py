@@ -65,10 +65,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                                                           f"output '{name}'")
         return act.act_response(last.request_id, actions, last.final)
 
-    def _read(self, make_prompt: Callable[[], Prompt]) -> RequestState:
+    def _read(self, make_prompt: Callable[[], Prompt]) -> tuple[Prompt, RequestState]:
         prompt = make_prompt()
         prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
-        return self.model.process_prompt(prompt)
+        return prompt, self.model.process_prompt(prompt)
 
     async def _run(self, model: str, make_prompt: Callable[[], Prompt], client_id: str, timeout_s: float,
                    context: grpc.aio.ServicerContext, field_name: Callable[[str], str] = str):
@@ -82,9 +82,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{model}'. Served: {self.model.name}")
         try:
             if self.prompt_pool is None:
-                state = self._read(make_prompt)
+                prompt, state = self._read(make_prompt)
             else:
-                state = await asyncio.get_running_loop().run_in_executor(self.prompt_pool, self._read, make_prompt)
+                prompt, state = await asyncio.get_running_loop().run_in_executor(self.prompt_pool, self._read, make_prompt)
         except InvalidArgument as e:
             self.metrics.rejected("INVALID_ARGUMENT")
             await context.abort_with_status(invalid_argument_status(field_name(e.field), e.description))
@@ -103,7 +103,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         process_s = time.perf_counter() - t0
         # the mesh sees a fresh id per request: node groups remember ended ids to drop late
         # frames, so a client may reuse its own id once the earlier request has ended
-        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(state.prompt.kwargs), t0)
+        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0)
         try:
             self.table.pin(ar)
         except NoReplica as e:
