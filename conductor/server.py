@@ -9,15 +9,19 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 
 from mstar import metrics
+from mstar.conductor import act
 from mstar.conductor.convert import fill_chunk, invalid_argument_status, prompt_from_request
 from mstar.conductor.replicas import NoReplica, Replicas, parse_groups
 from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
 from mstar.config import Placement, load_config
-from mstar.models.base import InvalidArgument
+from mstar.models.base import InvalidArgument, Prompt, RequestState
 from mstar.models.graph import Modality
 from mstar.models.registry import create_model
 from mstar.services.grpc_server import ServerBase, run_service
@@ -28,6 +32,7 @@ from mstar.v1 import conductor_pb2_grpc, node_group_pb2
 
 log = logging.getLogger("mstar.conductor")
 _MODALITY_NAMES = {m: m.name.lower() for m in Modality}  # metric labels (Enum.name is a slow property)
+PROMPT_WORKERS = 4  # threads reading (decoding) requests of a heavy_prompt model at once
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
@@ -36,19 +41,53 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.model = table.model
         self.by_client_id: dict[str, ActiveRequest] = {}  # client-visible request_id -> request
         self.metrics = metrics.RequestMetrics(self.model.name, lambda: len(table.active), max_inflight)
+        # where a heavy model's process_prompt runs (video decoding): off the loop that routes every request
+        self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "prompt") if self.model.heavy_prompt else None
 
     async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        async for resp in self._run(request.model, partial(prompt_from_request, request), request.request_id,
+                                    request.timeout_s, context):
+            yield resp
+
+    async def Act(self, request: cpb.ActRequest, context: grpc.aio.ServicerContext) -> cpb.ActResponse:
+        name = self.model.act_output
+        if request.model == self.model.name and name is None:
+            self.metrics.rejected("INVALID_ARGUMENT")
+            await context.abort_with_status(invalid_argument_status("model", f"model '{self.model.name}' does not "
+                                            "serve Act (a policy's call, e.g. pi05's); call Generate"))
+        actions, last = None, cpb.GenerateResponse()
+        async for resp in self._run(request.model, partial(act.prompt_from_act, request), request.request_id,
+                                    request.timeout_s, context, act.act_field):
+            actions = next((c.tensor for c in resp.chunks if c.name == name), actions)
+            last = resp  # read to the end: the request is released and counted before the reply
+        if actions is None or not last.HasField("final"):
+            await context.abort(grpc.StatusCode.INTERNAL, f"model '{self.model.name}' finished without its action "
+                                                          f"output '{name}'")
+        return act.act_response(last.request_id, actions, last.final)
+
+    def _read(self, make_prompt: Callable[[], Prompt]) -> tuple[Prompt, RequestState]:
+        prompt = make_prompt()
+        prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
+        return prompt, self.model.process_prompt(prompt)
+
+    async def _run(self, model: str, make_prompt: Callable[[], Prompt], client_id: str, timeout_s: float,
+                   context: grpc.aio.ServicerContext, field_name: Callable[[str], str] = str):
+        """One request from its fields to its last message: read (``make_prompt``, the model's
+        validate_kwargs and process_prompt), admission, the walks, timeout, cancellation, metrics.
+        Yields GenerateResponse messages; fails by aborting ``context``. ``field_name`` renames the
+        field of an INVALID_ARGUMENT into the caller's request (Act's names)."""
         t0 = time.perf_counter()
-        if request.model != self.model.name:
+        if model != self.model.name:
             self.metrics.rejected("NOT_FOUND")
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{request.model}'. Served: {self.model.name}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{model}'. Served: {self.model.name}")
         try:
-            prompt = prompt_from_request(request)
-            prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
-            state = self.model.process_prompt(prompt)
+            if self.prompt_pool is None:
+                prompt, state = self._read(make_prompt)
+            else:
+                prompt, state = await asyncio.get_running_loop().run_in_executor(self.prompt_pool, self._read, make_prompt)
         except InvalidArgument as e:
             self.metrics.rejected("INVALID_ARGUMENT")
-            await context.abort_with_status(invalid_argument_status(e.field, e.description))
+            await context.abort_with_status(invalid_argument_status(field_name(e.field), e.description))
         except Exception as e:  # a bug in the model's validate_kwargs / process_prompt
             log.exception("model '%s' failed reading a request", self.model.name)
             self.metrics.rejected("INTERNAL")
@@ -57,7 +96,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.metrics.rejected("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"conductor is at its admission limit of {self.max_inflight} in-flight requests; retry later")
-        rid = request.request_id or uuid.uuid4().hex
+        rid = client_id or uuid.uuid4().hex
         if rid in self.by_client_id:
             self.metrics.rejected("ALREADY_EXISTS")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: '{rid}' is already in flight")
@@ -72,7 +111,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.table.active[ar.request_id] = ar
         self.by_client_id[rid] = ar
-        timeout = request.timeout_s or self.default_timeout_s
+        timeout = timeout_s or self.default_timeout_s
         counts: dict[str, int] = {}
         self.metrics.started.inc()
         clock = metrics.OutputClock(t0)
@@ -188,7 +227,8 @@ class ConductorServer(ServerBase):
         names = [cpb.DESCRIPTOR.services_by_name[s].full_name for s in ("Conductor", "WalkEvents")]
         super().__init__(address, names)
         self.table = table
-        conductor_pb2_grpc.add_ConductorServicer_to_server(ConductorServicer(table, max_inflight, default_timeout_s), self.server)
+        self.servicer = ConductorServicer(table, max_inflight, default_timeout_s)
+        conductor_pb2_grpc.add_ConductorServicer_to_server(self.servicer, self.server)
         conductor_pb2_grpc.add_WalkEventsServicer_to_server(WalkEventsServicer(table), self.server)
 
     async def start(self) -> None:
@@ -223,6 +263,8 @@ class ConductorServer(ServerBase):
                 task.cancel()
         await self.table.links.close()
         await self.table.replicas.close()
+        if self.servicer.prompt_pool is not None:
+            self.servicer.prompt_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def create_server(address: str, table: RequestTable, **kw) -> tuple[ConductorServer, int]:

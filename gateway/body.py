@@ -15,7 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from mstar.gateway.errors import ApiError, bad_request, too_large
 
-FIELDS = ("model", "text", "model_kwargs", "stream", "timeout_s", "request_id")
+FIELDS = ("model", "text", "model_kwargs", "stream", "timeout_s", "request_id", "output")
 _READ_CHUNK = 1 << 16
 
 
@@ -39,6 +39,8 @@ class GenerateBody:
     #: empty: the conductor assigns one
     request_id: str = ""
     files: tuple[Upload, ...] = ()
+    #: the tensor output an ``Accept: application/octet-stream`` answer carries (binary.py); empty: the only one
+    output: str = ""
 
 
 async def read_generate_body(request: web.Request, max_bytes: int, max_timeout_s: float) -> GenerateBody:
@@ -157,7 +159,8 @@ def _validate(values: dict, max_timeout_s: float, files: tuple[Upload, ...] = ()
             raise bad_request(key, f"unknown field '{key}'; allowed: {', '.join(FIELDS)}")
     if "model" not in values:
         raise bad_request("model", "model: required")
-    for key, kind in (("model", str), ("text", str), ("request_id", str), ("stream", bool), ("model_kwargs", dict)):
+    for key, kind in (("model", str), ("text", str), ("request_id", str), ("stream", bool), ("model_kwargs", dict),
+                      ("output", str)):
         if key in values and not isinstance(values[key], kind):
             raise bad_request(key, f"{key}: must be {json_type(kind())}, got {json_type(values[key])}")
     if not values["model"]:
@@ -172,7 +175,7 @@ def _validate(values: dict, max_timeout_s: float, files: tuple[Upload, ...] = ()
             raise bad_request("timeout_s", f"timeout_s: {timeout_s:g} s exceeds this gateway's limit of {max_timeout_s:g} s")
     return GenerateBody(model=values["model"], text=values.get("text", ""), model_kwargs=values.get("model_kwargs", {}),
                         stream=values.get("stream", False), timeout_s=float(timeout_s),
-                        request_id=values.get("request_id", ""), files=files)
+                        request_id=values.get("request_id", ""), files=files, output=values.get("output", ""))
 
 
 def json_type(value: object) -> str:

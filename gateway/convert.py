@@ -7,6 +7,8 @@ import binascii
 import json
 from json.encoder import encode_basestring_ascii
 
+import numpy as np
+
 from mstar.gateway.body import GenerateBody
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import tensor_pb2
@@ -32,10 +34,30 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def tensor_json(t: tensor_pb2.Tensor) -> dict:
+_NUMPY = {"BOOL": "?", "UINT8": "u1", "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "FP16": "<f2",
+          "FP32": "<f4", "FP64": "<f8"}
+
+
+def tensor_values(t: tensor_pb2.Tensor) -> list | None:
+    """The elements as nested JSON lists (an action chunk is small, and a robot client reads numbers);
+    None for a datatype JSON numbers cannot hold exactly (BF16)."""
+    dtype = _NUMPY.get(t.datatype)
+    if dtype is None:
+        return None
+    try:
+        return np.frombuffer(t.raw, dtype=dtype).reshape(list(t.shape)).tolist()
+    except ValueError as e:
+        raise ProtocolError(f"tensor '{t.name}': {len(t.raw)} bytes do not make {t.datatype} {list(t.shape)}: {e}") from None
+
+
+def tensor_json(t: tensor_pb2.Tensor, values: bool = False) -> dict:
+    """``values``: also the elements as JSON numbers (ACTION chunks)."""
     if t.WhichOneof("payload") == "shm":
         raise ProtocolError(f"tensor '{t.name}' arrived by shared-memory reference; the public API carries bytes inline")
-    return {"datatype": t.datatype, "shape": list(t.shape), "data_b64": b64(t.raw)}
+    out = {"datatype": t.datatype, "shape": list(t.shape), "data_b64": b64(t.raw)}
+    if values and (v := tensor_values(t)) is not None:
+        out["values"] = v
+    return out
 
 
 def chunk_json(c: cpb.OutputChunk) -> dict:
@@ -50,7 +72,7 @@ def chunk_json(c: cpb.OutputChunk) -> dict:
     if modality == "audio" or c.sample_rate_hz:
         out["sample_rate_hz"] = c.sample_rate_hz
     if modality in _TENSORS or c.HasField("tensor"):
-        out["tensor"] = tensor_json(c.tensor)
+        out["tensor"] = tensor_json(c.tensor, values=modality == "action")
     out["token_ids"] = list(c.token_ids)
     out["elapsed_s"] = c.elapsed_s
     return out
@@ -92,7 +114,9 @@ def chunk_line(c: cpb.OutputChunk) -> str:
         if t.WhichOneof("payload") == "shm":
             tensor_json(t)  # raises ProtocolError
         s += (f',"tensor":{{"datatype":{encode_basestring_ascii(t.datatype)},"shape":{_ints(t.shape)},'
-              f'"data_b64":"{_b64(t.raw)}"}}')
+              f'"data_b64":"{_b64(t.raw)}"')
+        values = tensor_values(t) if modality == "action" else None
+        s += "}" if values is None else f',"values":{json.dumps(values, separators=(",", ":"))}}}'
     return f'{s},"token_ids":{_ints(c.token_ids)},"elapsed_s":{_float(c.elapsed_s)}}}'
 
 
@@ -141,7 +165,7 @@ class Collected:
         if c.name in self._bytes:
             self._bytes[c.name] += c.data
         elif "chunks" in out:
-            out["chunks"].append(tensor_json(c.tensor))
+            out["chunks"].append(tensor_json(c.tensor, values=out["modality"] == "action"))
         else:
             self._text[c.name].append(c.text)
 

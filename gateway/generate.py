@@ -1,4 +1,5 @@
-"""``POST /generate``: one Conductor.Generate call, answered as NDJSON (stream) or one JSON object.
+"""``POST /generate``: one Conductor.Generate call, answered as NDJSON (stream) or one JSON object,
+or in binary when the ``Accept`` header asks (binary.py: one tensor's raw bytes, or multipart parts).
 
 Errors before the first conductor message become an HTTP status (the headers wait for that
 message). Errors after streaming began become a last ``{"type": "error"}`` line. Whatever
@@ -14,12 +15,13 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from aiohttp import web
+from aiohttp import hdrs, web
 
+from mstar.gateway.binary import MULTIPART, OCTET, accepted, check_output, multipart_stream, octet_response
 from mstar.gateway.body import read_generate_body
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.convert import Collected, ProtocolError, error_json, message_lines, to_request
-from mstar.gateway.errors import ApiError
+from mstar.gateway.errors import ApiError, bad_request
 from mstar.v1 import conductor_pb2 as cpb
 
 log = logging.getLogger("mstar.gateway")
@@ -57,11 +59,24 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if info is None:
         raise ApiError(404, f"model: unknown model '{body.model}'. Served: {', '.join(served) or 'none'}",
                        code="NOT_FOUND", field="model")
+    binary = accepted(request.headers.get(hdrs.ACCEPT))
+    if body.output:
+        if binary != OCTET:
+            raise bad_request("output", f"output: picks the tensor of an Accept: {OCTET} answer; this request "
+                                        f"accepts {request.headers.get(hdrs.ACCEPT) or 'JSON'}")
+        check_output(info, body.output)
+    if binary == OCTET and body.stream:
+        raise bad_request("stream", f"stream: one {OCTET} body cannot stream; send Accept: {MULTIPART} for "
+                                    "each chunk as it is produced")
     call = client.generate(to_request(body), (body.timeout_s or settings.request_timeout_s) + DEADLINE_SLACK_S)
     try:
         first = await next_message(call)  # an AioRpcError here becomes an HTTP status in the middleware
         if first is None:
             raise ApiError(500, "conductor ended the stream without a final event", code="INTERNAL")
+        if binary == OCTET:
+            return await octet_response(call, first, body.output, next_message, settle)
+        if binary == MULTIPART:
+            return await multipart_stream(request, call, first, next_message, settle)
         if body.stream:
             return await _stream(request, call, first)
         return await _collect(call, first)

@@ -36,6 +36,11 @@ def _obj(props: dict, required: tuple[str, ...] = (), *, closed: bool = True, do
 
 STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 MODEL = {"type": "string", "minLength": 1, "description": "a served model's name", "examples": ["toy"]}
+OUTPUT = {"type": "string", "description": "with Accept: application/octet-stream: the tensor output to answer "
+                                          "(e.g. 'frames' of a rollout); empty: the result's only one"}
+TENSOR_HEADERS = {f"X-Tensor-{h}": {"schema": STR, "description": d} for h, d in (
+    ("Name", "application/octet-stream: the output's name"), ("Datatype", "FP32, INT64, ... (tensor.proto)"),
+    ("Shape", "comma-separated sizes, e.g. 50,32 (empty: a scalar)"))}
 KWARGS = {"type": "object", "description": "per-request knobs; each model validates its own keys: see the "
                                           "<Model>ModelKwargs schemas (from the models' typed knobs)",
           "examples": [{"max_tokens": 8}]}
@@ -45,6 +50,7 @@ _ERRORS = {
     "405": "wrong method for the route",
     "409": "request_id already in flight",
     "413": "body larger than the gateway's limit",
+    "406": "Accept: application/octet-stream for an output that came in chunks of different shapes",
     "415": "unsupported Content-Type",
     "429": "admission limit reached",
     "499": "cancelled before it finished",
@@ -119,17 +125,21 @@ def _schemas(max_timeout_s: float) -> dict:
             "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": max_timeout_s,
                           "description": "seconds; the gateway's limit is the maximum"},
             "request_id": {"type": "string", "description": "client-chosen id, unique among in-flight requests"},
+            "output": OUTPUT,
         }, ("model",)),
         "GenerateForm": _obj({
             "model": MODEL, "text": STR,
             "model_kwargs": {"type": "string", "description": "a JSON object"},
             "stream": {"enum": ["true", "false"]}, "timeout_s": {"type": "string", "description": "seconds"},
-            "request_id": STR,
+            "request_id": STR, "output": OUTPUT,
         }, ("model",), closed=False,
             doc="multipart/form-data: the JSON fields as form fields; any other part with a filename is an input "
                 "file (its part name is the file's name, e.g. 'image')."),
         "Tensor": _obj({"datatype": STR, "shape": {"type": "array", "items": INT},
-                        "data_b64": {"type": "string", "contentEncoding": "base64"}}, ("datatype", "shape", "data_b64")),
+                        "data_b64": {"type": "string", "contentEncoding": "base64"},
+                        "values": {"type": "array", "description": "ACTION chunks only: the elements as nested "
+                                                                   "arrays of numbers (row-major, shape as above)"}},
+                       ("datatype", "shape", "data_b64")),
         "GenerateLine": {"oneOf": [chunk_line, _obj({
             "type": {"const": "final"}, "request_id": STR, "usage": usage, "timings": timings,
             "finish_reason": {"type": "string", "description": "stop | length"},
@@ -226,11 +236,20 @@ def build(settings: GatewaySettings) -> dict:
             "requestBody": {"required": True, "content": {
                 "application/json": {"schema": _ref("GenerateRequest")},
                 "multipart/form-data": {"schema": _ref("GenerateForm")}}},
-            "responses": {"200": {"description": "the request's outputs", "headers": {
-                "X-Request-Id": {"schema": STR}}, "content": {
+            "responses": {"200": {"description": "the request's outputs; by the Accept header (the first listed of "
+                                                 "these types): JSON / NDJSON, one tensor's raw bytes, or multipart parts",
+                                  "headers": {"X-Request-Id": {"schema": STR}, **TENSOR_HEADERS}, "content": {
                 "application/json": {"schema": _ref("GenerateResult")},
                 "application/x-ndjson": {"schema": {"type": "string",
-                                                    "description": "GenerateLine objects, one per line"}}}},
+                                                    "description": "GenerateLine objects, one per line"}},
+                "application/octet-stream": {"schema": {
+                    "type": "string", "format": "binary", "description": "one tensor output (the `output` field, or the "
+                    "only one): little-endian row-major bytes; datatype and shape in the X-Tensor-* headers"}},
+                "multipart/mixed": {"schema": {
+                    "type": "string", "format": "binary", "description": "streamed: one part per output chunk (headers "
+                    "X-Chunk-Name, X-Chunk-Index, X-Chunk-Modality, Content-Length; a tensor's raw bytes with the "
+                    "X-Tensor-* headers), then the final event (X-Chunk-Name: final) or an error as an application/json "
+                    "part"}}}},
                           **_errors()}}},
         "/health": {"get": {"operationId": "health", "summary": "The conductor's health as the gateway sees it",
                             "responses": {"200": {"description": "serving", "content": {

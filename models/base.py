@@ -258,6 +258,14 @@ class Model:
     #: the longest sequence (prompt + output tokens) a request may have: the placement YAML's
     #: max_seq_len, set by ``Placement``; models bound prompts by it and size their KV caches for it
     max_seq_len: int = 4096
+    #: validate_kwargs + process_prompt decode media or do other work that would stall the conductor's
+    #: event loop (every request's routing) for milliseconds: run them on a worker thread. Light models
+    #: (the toy's read costs ~9 us, a thread hop ~60 us) stay on the loop.
+    heavy_prompt: ClassVar[bool] = False
+    #: the ACTION output that ``Conductor.Act`` returns; None: the model does not serve Act. A model that
+    #: sets it reads Act's request as its Generate request: text = the task, files = the camera images
+    #: (named by camera), model_kwargs {"state": [floats], "seed": int or absent}.
+    act_output: ClassVar[str | None] = None
 
     def __init__(self, model_kwargs: dict[str, Any] | None = None, cache_dir: str | None = None):
         self.model_kwargs = dict(model_kwargs or {})

@@ -10,6 +10,7 @@ Walks:
 
 Request: ``text`` = the task, ``files`` = camera images named base_0_rgb / left_wrist_0_rgb /
 right_wrist_0_rgb (a missing camera is masked), ``model_kwargs`` {"state": [floats], "seed": int}.
+``Conductor.Act`` (typed: task, images, state, seed) is read as that request (conductor/act.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Pi05Model(Model):
     config_schema = Pi05Settings
     request_schema = Pi05Request
     nodes = (GraphNode("vit_encoder"), GraphNode("llm_prefix"), GraphNode("action_expert"))
+    heavy_prompt = True  # decodes and resizes up to 3 camera images (ms each)
+    act_output = "actions"  # Conductor.Act returns it; its request is read as this model's (see the module doc)
 
     def build_walks(self) -> list[Walk]:
         steps = int(self.model_kwargs.get("num_steps", 10))
@@ -130,7 +133,7 @@ class Pi05Model(Model):
             raise InvalidArgument("model_kwargs.state", f"must hold at most {MAX_STATE_DIM} finite numbers")
         seed = kwargs.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise InvalidArgument("model_kwargs.seed", f"must be a non-negative integer, got {seed!r}")
+            raise InvalidArgument("model_kwargs.seed", f"must be an integer in [0, 2**63), got {seed!r}")
         return {"state": [float(v) for v in state], "seed": seed}
 
     def _ensure_conductor(self) -> None:

@@ -54,6 +54,7 @@ class VJepa2Model(Model):
     config_schema = VJepa2Settings
     request_schema = VJepa2Request
     nodes = (GraphNode("video_encoder"), GraphNode("predictor"), GraphNode("ac_predictor"))
+    heavy_prompt = True  # decodes video (~0.1 s for 16 frames of 342x256 mp4 on a 2-core VM)
 
     def build_walks(self) -> list[Walk]:
         def ac_loop(walk: str, emits: list[GraphEdge], accumulate=frozenset()) -> Walk:
@@ -85,7 +86,9 @@ class VJepa2Model(Model):
         ]
 
     # -- assets ------------------------------------------------------------------------------
-    def checkpoints(self) -> dict[str, str | None]:
+    def checkpoint_names(self) -> dict[str, str | None]:
+        """The two checkpoints by model_kwargs key. (Not ``Model.checkpoints``: the launcher reads that
+        one as hub ``CheckpointSpec``s; V-JEPA 2 finds its own in check_assets, the AC one a .pt file.)"""
         kw = self.model_kwargs
         return {"checkpoint": kw.get("checkpoint", DEFAULT_CHECKPOINT),
                 "ac_checkpoint": kw.get("ac_checkpoint", DEFAULT_AC_CHECKPOINT)}
@@ -94,7 +97,7 @@ class VJepa2Model(Model):
         if not hasattr(self, "_configs"):
             try:
                 self._configs = {k: weights.read(weights.resolve(v, self.cache_dir)).config if v else None
-                                 for k, v in self.checkpoints().items()}
+                                 for k, v in self.checkpoint_names().items()}
             except weights.CheckpointError as e:
                 raise MissingAssets(f"vjepa2: {e}; {HELP}") from None
         return self._configs
@@ -110,7 +113,7 @@ class VJepa2Model(Model):
 
         enc = EncoderConfig(dim=64, depth=2, heads=4, mlp_dim=128, patch=8, crop=32, frames=16)
         written = []
-        ckpt = self.checkpoints()
+        ckpt = self.checkpoint_names()
         if ckpt["checkpoint"]:
             d = Path(directory) / ckpt["checkpoint"]
             if not (d / "config.json").exists():
@@ -215,7 +218,7 @@ class VJepa2Model(Model):
         from mstar.models.vjepa2 import nodes
 
         ctx = dataclasses.replace(ctx, cache_dir=ctx.cache_dir or self.cache_dir)
-        ck = self.checkpoints()
+        ck = self.checkpoint_names()
         if ctx.node == "video_encoder":
             return nodes.VideoEncoderNode(ctx, ck["checkpoint"], ck["ac_checkpoint"])
         if ctx.node == "predictor":

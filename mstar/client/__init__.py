@@ -14,6 +14,7 @@ from mstar.client.errors import (
     Unavailable,
 )
 from mstar.client.messages import prompt_from_messages
+from mstar.client.robot import Plan, Rollout, RolloutStep
 from mstar.client.sync import GenerateStream, MStarClient
 from mstar.client.types import (
     Chunk,
@@ -36,5 +37,5 @@ __all__ = [
     "MStarError", "InvalidArgument", "NotFound", "AlreadyExists", "ResourceExhausted", "Cancelled", "Unavailable",
     "DeadlineExceeded", "Internal",
     "Chunk", "File", "Final", "Health", "Image", "Modality", "ModelInfo", "Output", "Result", "Speech", "Tensor",
-    "Timings", "Usage", "prompt_from_messages",
+    "Timings", "Usage", "prompt_from_messages", "Plan", "Rollout", "RolloutStep",
 ]

@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Literal, overload
+
+import numpy as np
 
 from mstar.client.base import (
     DEFAULT_TIMEOUT_S,
@@ -29,6 +31,20 @@ from mstar.client.base import (
 from mstar.client.errors import Cancelled
 from mstar.client.grpc_transport import AsyncGrpcTransport
 from mstar.client.http_transport import AsyncHttpTransport
+from mstar.client.robot import (
+    Plan,
+    Rollout,
+    RolloutStep,
+    StepPairer,
+    VideoLike,
+    act_params,
+    plan_of,
+    plan_request,
+    rollout_of,
+    rollout_request,
+    tensor_of,
+    video_file,
+)
 from mstar.client.types import (
     Chunk,
     File,
@@ -108,6 +124,7 @@ class AsyncMStarClient:
     def __init__(self, address: str = "http://127.0.0.1:8000", *, timeout: float = DEFAULT_TIMEOUT_S):
         self.address = parse_address(address)
         self.timeout = timeout
+        self._default: str | None = None  # the served model, once asked (the robot calls)
         self._transport = (AsyncHttpTransport(self.address.target) if self.address.transport == "rest"
                            else AsyncGrpcTransport(self.address.target, self.address.secure))
 
@@ -172,6 +189,43 @@ class AsyncMStarClient:
         images = images_of(await self.generate(model, prompt, **kw), name)
         return images if explicit else first_image(images, model)
 
+    # -- robot models: as MStarClient's (mstar/client/robot.py) -------------------------------
+    async def _served(self, model: str | None, call: str) -> str:
+        if model is None and self._default is None:
+            self._default = default_model(await self.models(), call)
+        return model or self._default
+
+    async def act(self, task: str, images: Mapping[str, FileLike], state: Sequence[float], *, model: str | None = None,
+                  seed: int | None = None, timeout: float | None = None, request_id: str | None = None) -> np.ndarray:
+        params = act_params(await self._served(model, "act"), task, images, state, seed, timeout, request_id)
+        return (await self._transport.act(params, timeout or self.timeout)).numpy().copy()
+
+    async def encode(self, video: VideoLike, *, model: str | None = None, frame_step: int | None = None,
+                     timeout: float | None = None) -> np.ndarray:
+        kw = {"task": "encode", **({} if frame_step is None else {"frame_step": frame_step})}
+        result = await self.generate(await self._served(model, "encode"), files={"video": video_file("video", video)},
+                                     timeout=timeout, model_kwargs=kw)
+        return tensor_of(result, "latents")
+
+    async def rollout(self, frames: VideoLike, actions: object, states: object, *, model: str | None = None,
+                      timeout: float | None = None) -> Rollout:
+        files, kw = rollout_request(frames, actions, states)
+        return rollout_of(await self.generate(await self._served(model, "rollout"), files=files, timeout=timeout,
+                                              model_kwargs=kw))
+
+    async def rollout_stream(self, frames: VideoLike, actions: object, states: object, *, model: str | None = None,
+                             timeout: float | None = None) -> AsyncIterator[RolloutStep]:
+        files, kw = rollout_request(frames, actions, states)
+        stream = await self.generate(await self._served(model, "rollout_stream"), files=files, stream=True,
+                                     timeout=timeout, model_kwargs={**kw, "stream": True})
+        return _steps(stream)
+
+    async def plan(self, frame: VideoLike, goal: VideoLike, state: object, *, model: str | None = None,
+                   timeout: float | None = None, **cem) -> Plan:
+        files, kw = plan_request(frame, goal, state, cem)
+        return plan_of(await self.generate(await self._served(model, "plan"), files=files, timeout=timeout,
+                                           model_kwargs=kw))
+
     async def models(self, *, timeout: float = QUICK_TIMEOUT_S) -> list[ModelInfo]:
         return await self._transport.models(timeout)
 
@@ -186,3 +240,11 @@ class AsyncMStarClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def _steps(stream: AsyncGenerateStream) -> AsyncIterator[RolloutStep]:
+    async with stream:
+        pairer = StepPairer()
+        async for chunk in stream:
+            for step in pairer.add(chunk):
+                yield step

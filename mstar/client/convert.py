@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mstar.client.errors import Internal, make_error
+from mstar.client.robot import ActParams
 from mstar.client.types import Chunk, Final, GenerateParams, Modality, ModelInfo, Tensor, Timings, Usage
 from mstar.v1 import conductor_pb2 as cpb
+from mstar.v1 import tensor_pb2
 
 _MODALITY = {cpb.MODALITY_UNSPECIFIED: Modality.UNSPECIFIED, cpb.MODALITY_TEXT: Modality.TEXT,
              cpb.MODALITY_IMAGE: Modality.IMAGE, cpb.MODALITY_AUDIO: Modality.AUDIO,
@@ -33,12 +36,20 @@ def to_proto(p: GenerateParams) -> cpb.GenerateRequest:
                                request_id=p.request_id, timeout_s=p.timeout_s)
 
 
+def act_to_proto(p: ActParams) -> cpb.ActRequest:
+    images = [cpb.CameraImage(name=f.name, data=f.data, mime_type=f.content_type) for f in p.images]
+    return cpb.ActRequest(model=p.model, task=p.task, images=images, state=p.state, seed=p.seed,
+                          request_id=p.request_id, timeout_s=p.timeout_s)
+
+
+def tensor_from_proto(t: tensor_pb2.Tensor) -> Tensor:
+    if t.WhichOneof("payload") not in (None, "raw"):
+        raise Internal(f"tensor '{t.name}' arrived by reference; the public API carries bytes inline")
+    return Tensor(t.datatype, tuple(t.shape), t.raw)
+
+
 def chunk_from_proto(c: cpb.OutputChunk) -> Chunk:
-    tensor = None
-    if c.HasField("tensor"):
-        if c.tensor.WhichOneof("payload") == "shm":
-            raise Internal(f"tensor '{c.tensor.name}' arrived by shared-memory reference; the public API carries bytes inline")
-        tensor = Tensor(c.tensor.datatype, tuple(c.tensor.shape), c.tensor.raw)
+    tensor = tensor_from_proto(c.tensor) if c.HasField("tensor") else None
     return Chunk(c.name, _MODALITY.get(c.modality, Modality.UNSPECIFIED), c.index, c.text, c.data, c.mime_type,
                  c.sample_rate_hz, tensor, tuple(c.token_ids), c.elapsed_s)
 
@@ -58,9 +69,9 @@ def model_from_proto(m: cpb.ModelInfo) -> ModelInfo:
 
 # --- REST (the gateway's NDJSON lines, /v1/models) ----------------------------------------------
 
-def rest_body(p: GenerateParams) -> dict:
-    """The JSON fields of ``POST /generate`` (always streamed: the SDK folds results itself)."""
-    body: dict = {"model": p.model, "text": p.text, "stream": True}
+def rest_body(p: GenerateParams, stream: bool = True) -> dict:
+    """The JSON fields of ``POST /generate`` (streamed but for a binary answer: the SDK folds results itself)."""
+    body: dict = {"model": p.model, "text": p.text, "stream": stream}
     if p.model_kwargs:
         body["model_kwargs"] = p.model_kwargs
     if p.timeout_s:
@@ -68,6 +79,21 @@ def rest_body(p: GenerateParams) -> dict:
     if p.request_id:
         body["request_id"] = p.request_id
     return body
+
+
+def act_rest_params(p: ActParams) -> GenerateParams:
+    """Act over REST: ``POST /generate`` with the task as text, the cameras as file parts, the state and
+    seed as model_kwargs (answered as raw bytes: ``tensor_from_headers``)."""
+    return GenerateParams(p.model, p.task, p.images, p.model_kwargs, p.timeout_s, p.request_id)
+
+
+def tensor_from_headers(headers: Mapping[str, str], body: bytes) -> Tensor:
+    """An ``Accept: application/octet-stream`` answer of the gateway: X-Tensor-Datatype / -Shape and the bytes."""
+    try:
+        shape = tuple(int(d) for d in headers["X-Tensor-Shape"].split(",") if d)
+        return Tensor(headers["X-Tensor-Datatype"], shape, body)
+    except (KeyError, ValueError) as e:
+        raise Internal(f"the gateway's binary answer lacks its tensor headers ({e})") from None
 
 
 def _b64(value: object) -> bytes:

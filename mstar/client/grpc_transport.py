@@ -5,9 +5,17 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mstar.client.convert import Message, message_from_proto, model_from_proto, to_proto
+from mstar.client.convert import (
+    Message,
+    act_to_proto,
+    message_from_proto,
+    model_from_proto,
+    tensor_from_proto,
+    to_proto,
+)
 from mstar.client.errors import MStarError, from_grpc
-from mstar.client.types import GenerateParams, Health, ModelInfo
+from mstar.client.robot import ActParams
+from mstar.client.types import GenerateParams, Health, ModelInfo, Tensor
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
@@ -54,6 +62,13 @@ class GrpcTransport:
 
     def generate(self, params: GenerateParams, timeout: float) -> GrpcCall:
         return GrpcCall(self._stub.Generate(to_proto(params), timeout=timeout))
+
+    def act(self, params: ActParams, timeout: float) -> Tensor:
+        try:
+            resp = self._stub.Act(act_to_proto(params), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        return tensor_from_proto(resp.actions)
 
     def models(self, timeout: float) -> list[ModelInfo]:
         try:
@@ -109,6 +124,13 @@ class AsyncGrpcTransport:
 
     async def generate(self, params: GenerateParams, timeout: float) -> AsyncGrpcCall:
         return AsyncGrpcCall(self._stubs()[0].Generate(to_proto(params), timeout=timeout))
+
+    async def act(self, params: ActParams, timeout: float) -> Tensor:
+        try:
+            resp = await self._stubs()[0].Act(act_to_proto(params), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return tensor_from_proto(resp.actions)
 
     async def models(self, timeout: float) -> list[ModelInfo]:
         try:

@@ -15,11 +15,20 @@ from collections.abc import Iterator
 
 import aiohttp
 
-from mstar.client.convert import Message, message_from_line, model_from_json, rest_body
+from mstar.client.convert import (
+    Message,
+    act_rest_params,
+    message_from_line,
+    model_from_json,
+    rest_body,
+    tensor_from_headers,
+)
 from mstar.client.errors import DeadlineExceeded, Internal, Unavailable, from_http
-from mstar.client.types import GenerateParams, Health, ModelInfo
+from mstar.client.robot import ActParams
+from mstar.client.types import GenerateParams, Health, ModelInfo, Tensor
 
 USER_AGENT = "mstar-python-sdk"
+OCTET = "application/octet-stream"
 
 
 def _multipart(body: dict, params: GenerateParams) -> tuple[bytes, str]:
@@ -37,8 +46,8 @@ def _multipart(body: dict, params: GenerateParams) -> tuple[bytes, str]:
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-def _encode(params: GenerateParams) -> tuple[bytes, str]:
-    body = rest_body(params)
+def _encode(params: GenerateParams, stream: bool = True) -> tuple[bytes, str]:
+    body = rest_body(params, stream)
     if params.files:
         return _multipart(body, params)
     return json.dumps(body).encode(), "application/json"
@@ -98,8 +107,9 @@ class HttpTransport:
     def __init__(self, base_url: str):
         self.base_url = base_url.rstrip("/")
 
-    def _open(self, method: str, path: str, timeout: float, data: bytes | None = None, content_type: str | None = None):
-        headers = {"User-Agent": USER_AGENT, "Accept": "application/json, application/x-ndjson"}
+    def _open(self, method: str, path: str, timeout: float, data: bytes | None = None, content_type: str | None = None,
+              accept: str = "application/json, application/x-ndjson"):
+        headers = {"User-Agent": USER_AGENT, "Accept": accept}
         if content_type:
             headers["Content-Type"] = content_type
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
@@ -123,6 +133,16 @@ class HttpTransport:
     def generate(self, params: GenerateParams, timeout: float) -> HttpCall:
         data, content_type = _encode(params)
         return HttpCall(self._open("POST", "/generate", timeout, data, content_type), time.monotonic() + timeout)
+
+    def act(self, params: ActParams, timeout: float) -> Tensor:
+        """``POST /generate`` answered as the actions' raw bytes (Accept: application/octet-stream)."""
+        data, content_type = _encode(act_rest_params(params), stream=False)
+        with self._open("POST", "/generate", timeout, data, content_type, accept=OCTET) as resp:
+            try:
+                body = resp.read()
+            except OSError as e:
+                raise Unavailable(f"connection to the gateway lost: {e}") from None
+            return tensor_from_headers(resp.headers, body)
 
     def models(self, timeout: float) -> list[ModelInfo]:
         return [model_from_json(m) for m in self._json("GET", "/v1/models", timeout)["data"]]
@@ -229,19 +249,31 @@ class AsyncHttpTransport:
             except ValueError as e:
                 raise Internal(f"{method} {path}: the gateway answered malformed JSON: {e}") from None
 
+    @staticmethod
+    def _body(params: GenerateParams, stream: bool = True) -> dict:
+        body = rest_body(params, stream)
+        if not params.files:
+            return {"json": body}
+        form = aiohttp.FormData()
+        for key, value in body.items():
+            form.add_field(key, json.dumps(value) if isinstance(value, dict | bool) else str(value))
+        for f in params.files:
+            form.add_field(f.name, f.data, filename=f.filename or f.name, content_type=f.content_type)
+        return {"data": form}
+
     async def generate(self, params: GenerateParams, timeout: float) -> AsyncHttpCall:
-        body = rest_body(params)
-        if params.files:
-            form = aiohttp.FormData()
-            for key, value in body.items():
-                form.add_field(key, json.dumps(value) if isinstance(value, dict | bool) else str(value))
-            for f in params.files:
-                form.add_field(f.name, f.data, filename=f.filename or f.name, content_type=f.content_type)
-            kw: dict = {"data": form}
-        else:
-            kw = {"json": body}
-        resp = await self._request("POST", "/generate", timeout, **kw)
+        resp = await self._request("POST", "/generate", timeout, **self._body(params))
         return AsyncHttpCall(resp, time.monotonic() + timeout)
+
+    async def act(self, params: ActParams, timeout: float) -> Tensor:
+        resp = await self._request("POST", "/generate", timeout, headers={"Accept": OCTET},
+                                   **self._body(act_rest_params(params), stream=False))
+        async with resp:
+            try:
+                body = await resp.read()
+            except aiohttp.ClientError as e:
+                raise Unavailable(f"connection to the gateway lost: {e}") from None
+            return tensor_from_headers(resp.headers, body)
 
     async def models(self, timeout: float) -> list[ModelInfo]:
         return [model_from_json(m) for m in (await self._json("GET", "/v1/models", timeout))["data"]]

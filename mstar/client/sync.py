@@ -6,13 +6,16 @@
     result = client.generate("toy", "Hello")           # one-shot: Result
     client.tts("toy", "Hello").to_wav("hello.wav")
     client.chat("What is the capital of France?").text  # the model the server serves
+    client.act("pick up the cube", images={"base_0_rgb": "cam.png"}, state=[...])  # [horizon, dim] float32
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, overload
+
+import numpy as np
 
 from mstar.client.base import (
     DEFAULT_TIMEOUT_S,
@@ -31,6 +34,20 @@ from mstar.client.base import (
 from mstar.client.errors import Cancelled
 from mstar.client.grpc_transport import GrpcTransport
 from mstar.client.http_transport import HttpTransport
+from mstar.client.robot import (
+    Plan,
+    Rollout,
+    RolloutStep,
+    StepPairer,
+    VideoLike,
+    act_params,
+    plan_of,
+    plan_request,
+    rollout_of,
+    rollout_request,
+    tensor_of,
+    video_file,
+)
 from mstar.client.types import (
     Chunk,
     File,
@@ -108,6 +125,7 @@ class MStarClient:
     def __init__(self, address: str = "http://127.0.0.1:8000", *, timeout: float = DEFAULT_TIMEOUT_S):
         self.address = parse_address(address)
         self.timeout = timeout
+        self._default: str | None = None  # the served model, once asked (the robot calls)
         self._transport = (HttpTransport(self.address.target) if self.address.transport == "rest"
                            else GrpcTransport(self.address.target, self.address.secure))
 
@@ -180,6 +198,56 @@ class MStarClient:
         images = images_of(self.generate(model, prompt, **kw), name)
         return images if explicit else first_image(images, model)
 
+    # -- robot models (mstar/client/robot.py) ------------------------------------------------
+    def _served(self, model: str | None, call: str) -> str:
+        """``model``, else the one the server serves (asked once per client: a policy loop pays no extra call)."""
+        if model is None and self._default is None:
+            self._default = default_model(self.models(), call)
+        return model or self._default
+
+    def act(self, task: str, images: Mapping[str, FileLike], state: Sequence[float], *, model: str | None = None,
+            seed: int | None = None, timeout: float | None = None, request_id: str | None = None) -> np.ndarray:
+        """A policy's action chunk, float32 ``[horizon, action_dim]`` in the robot's units:
+        ``act("pick up the cube", images={"base_0_rgb": "cam.png"}, state=[...])``. ``images``: camera
+        name -> encoded image (bytes, path or File); ``state``: the robot's state, one value per
+        dimension; ``seed``: the noise seed (same seed, same actions). gRPC calls Conductor.Act (errors
+        name ActRequest fields: ``state``, ``images[0].data``); REST posts /generate for raw float32
+        bytes (errors name its fields: ``model_kwargs.state``, ``files[0].data``)."""
+        params = act_params(self._served(model, "act"), task, images, state, seed, timeout, request_id)
+        return self._transport.act(params, timeout or self.timeout).numpy().copy()
+
+    def encode(self, video: VideoLike, *, model: str | None = None, frame_step: int | None = None,
+               timeout: float | None = None) -> np.ndarray:
+        """A video world model's latents of a clip, ``[tokens, dim]`` (V-JEPA 2's ``encode``)."""
+        kw = {"task": "encode", **({} if frame_step is None else {"frame_step": frame_step})}
+        result = self.generate(self._served(model, "encode"), files={"video": video_file("video", video)},
+                               timeout=timeout, model_kwargs=kw)
+        return tensor_of(result, "latents")
+
+    def rollout(self, frames: VideoLike, actions: object, states: object, *, model: str | None = None,
+                timeout: float | None = None) -> Rollout:
+        """V-JEPA 2-AC's prediction from T context ``frames`` with their poses ``states`` ``[T, 7]``
+        under ``actions`` ``[T - 1 + steps, 7]``: ``Rollout(frames [steps, tokens, dim], poses [steps, 7])``."""
+        files, kw = rollout_request(frames, actions, states)
+        return rollout_of(self.generate(self._served(model, "rollout"), files=files, timeout=timeout, model_kwargs=kw))
+
+    def rollout_stream(self, frames: VideoLike, actions: object, states: object, *, model: str | None = None,
+                       timeout: float | None = None) -> Iterator[RolloutStep]:
+        """``rollout`` yielding each ``RolloutStep(index, frame, pose)`` as it is predicted; closing the
+        iterator early cancels the request."""
+        files, kw = rollout_request(frames, actions, states)
+        stream = self.generate(self._served(model, "rollout_stream"), files=files, stream=True, timeout=timeout,
+                               model_kwargs={**kw, "stream": True})
+        return _steps(stream)
+
+    def plan(self, frame: VideoLike, goal: VideoLike, state: object, *, model: str | None = None,
+             timeout: float | None = None, **cem) -> Plan:
+        """V-JEPA 2-AC's CEM plan from the context ``frame`` and its pose ``state`` ``[7]`` towards the
+        ``goal`` image: ``Plan(actions [rollout, 7], energies)``. Knobs (``samples``, ``topk``,
+        ``cem_steps``, ``rollout``, ``seed``, ...) as models/vjepa2/requests.py."""
+        files, kw = plan_request(frame, goal, state, cem)
+        return plan_of(self.generate(self._served(model, "plan"), files=files, timeout=timeout, model_kwargs=kw))
+
     def models(self, *, timeout: float = QUICK_TIMEOUT_S) -> list[ModelInfo]:
         return self._transport.models(timeout)
 
@@ -196,3 +264,10 @@ class MStarClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+
+def _steps(stream: GenerateStream) -> Iterator[RolloutStep]:
+    with stream:
+        pairer = StepPairer()
+        for chunk in stream:
+            yield from pairer.add(chunk)

@@ -150,6 +150,46 @@ class ListModelsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
+class CameraImage(_message.Message):
+    __slots__ = ("name", "data", "mime_type")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    mime_type: str
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+
+class ActRequest(_message.Message):
+    __slots__ = ("model", "task", "images", "state", "seed", "request_id", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    task: str
+    images: _containers.RepeatedCompositeFieldContainer[CameraImage]
+    state: _containers.RepeatedScalarFieldContainer[float]
+    seed: int
+    request_id: str
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., task: _Optional[str] = ..., images: _Optional[_Iterable[_Union[CameraImage, _Mapping]]] = ..., state: _Optional[_Iterable[float]] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ActResponse(_message.Message):
+    __slots__ = ("request_id", "actions", "usage", "timings")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    actions: _tensor_pb2.Tensor
+    usage: Usage
+    timings: Timings
+    def __init__(self, request_id: _Optional[str] = ..., actions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
     __slots__ = ("group", "address", "leave")
     GROUP_FIELD_NUMBER: _ClassVar[int]

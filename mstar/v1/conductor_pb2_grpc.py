@@ -40,6 +40,11 @@ class ConductorStub:
                 request_serializer=mstar_dot_v1_dot_conductor__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=mstar_dot_v1_dot_conductor__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Act = channel.unary_unary(
+                '/mstar.v1.Conductor/Act',
+                request_serializer=mstar_dot_v1_dot_conductor__pb2.ActRequest.SerializeToString,
+                response_deserializer=mstar_dot_v1_dot_conductor__pb2.ActResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/mstar.v1.Conductor/Cancel',
                 request_serializer=mstar_dot_v1_dot_conductor__pb2.CancelRequest.SerializeToString,
@@ -66,6 +71,17 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Act(self, request, context):
+        """Runs one policy request (models with an action output, e.g. "pi05") and
+        returns its action chunk. It takes Generate's path (admission, timeout,
+        Cancel by request_id, metrics) and fails with the same codes; an
+        INVALID_ARGUMENT names the ActRequest field ("state", "images[1].data";
+        "model" for a model that does not serve Act).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Cancel(self, request, context):
         """Cancels an in-flight request; its Generate stream ends with CANCELLED.
         """
@@ -87,6 +103,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=mstar_dot_v1_dot_conductor__pb2.GenerateRequest.FromString,
                     response_serializer=mstar_dot_v1_dot_conductor__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Act': grpc.unary_unary_rpc_method_handler(
+                    servicer.Act,
+                    request_deserializer=mstar_dot_v1_dot_conductor__pb2.ActRequest.FromString,
+                    response_serializer=mstar_dot_v1_dot_conductor__pb2.ActResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -126,6 +147,33 @@ class Conductor:
             '/mstar.v1.Conductor/Generate',
             mstar_dot_v1_dot_conductor__pb2.GenerateRequest.SerializeToString,
             mstar_dot_v1_dot_conductor__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Act(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mstar.v1.Conductor/Act',
+            mstar_dot_v1_dot_conductor__pb2.ActRequest.SerializeToString,
+            mstar_dot_v1_dot_conductor__pb2.ActResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ test sends its own requests and none changes the mesh; it must still exit 0 at t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -47,10 +48,11 @@ def _pump(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def start_mesh() -> Mesh:
+def start_mesh(model: str = "toy", *args: str) -> Mesh:
+    """``mstar serve MODEL ARGS`` (e.g. ``--random-weights --cache-dir DIR``) on free ports."""
     err = tempfile.NamedTemporaryFile("w", prefix="mstar-clients-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", "serve", "toy", "--port", "0", "--grpc-port", "0",
-                             "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", "serve", model, *args, "--port", "0", "--grpc-port",
+                             "0", "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
@@ -78,9 +80,10 @@ def stop_mesh(proc: subprocess.Popen) -> int:
         return proc.wait(10)
 
 
-@pytest.fixture(scope="session")
-def mesh():
-    m = start_mesh()
+@contextlib.contextmanager
+def served(model: str = "toy", *args: str):
+    """A launcher mesh for the block; it must stop cleanly (exit 0) after it."""
+    m = start_mesh(model, *args)
     try:
         yield m
     finally:
@@ -88,3 +91,9 @@ def mesh():
         log = m.stderr_tail()
         os.unlink(m.stderr_path)
     assert code == 0, f"launcher exited {code}: {log}"
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    with served() as m:
+        yield m

@@ -29,6 +29,11 @@ CHUNKS = [
     cpb.OutputChunk(name="levels", modality=cpb.MODALITY_LATENT, elapsed_s=2.5,
                     tensor=tensor_pb2.Tensor(name="levels", datatype="FP32", shape=[2, 2], raw=struct.pack("<4f", 1, 2, 3, 4))),
     cpb.OutputChunk(name="act", modality=cpb.MODALITY_ACTION),  # a tensor modality without a tensor
+    # actions also as JSON numbers ("values"); BF16 has no exact JSON form: bytes only
+    cpb.OutputChunk(name="actions", modality=cpb.MODALITY_ACTION, tensor=tensor_pb2.Tensor(
+        name="actions", datatype="FP32", shape=[2, 3], raw=struct.pack("<6f", 0.1, -2, 3.5, float("nan"), 1e-8, 7))),
+    cpb.OutputChunk(name="actions", modality=cpb.MODALITY_ACTION, tensor=tensor_pb2.Tensor(
+        name="actions", datatype="BF16", shape=[1], raw=b"\x80\x3f")),
     cpb.OutputChunk(name="scalar", modality=cpb.MODALITY_LATENT,
                     tensor=tensor_pb2.Tensor(name="s", datatype="INT64", raw=struct.pack("<q", 5))),
     cpb.OutputChunk(name="odd", modality=cpb.MODALITY_UNSPECIFIED, text="x", data=b"y", sample_rate_hz=8000,
@@ -68,3 +73,16 @@ def test_message_lines_are_the_chunks_then_the_final_event():
     assert message_lines(msg) == want.encode()
     assert message_lines(cpb.GenerateResponse(request_id="r", chunks=CHUNKS[:1])) == (_dumps(chunk_json(CHUNKS[0])) + "\n").encode()
     assert message_lines(cpb.GenerateResponse(request_id="r", final=final)) == (_dumps(final_json(final, "r")) + "\n").encode()
+
+
+def test_action_values_are_the_tensor_and_a_short_tensor_is_a_protocol_error():
+    c = next(c for c in CHUNKS if c.name == "actions")
+    values = json.loads(chunk_line(c))["tensor"]["values"]
+    assert len(values) == 2 and values[0] == [struct.unpack("<f", struct.pack("<f", 0.1))[0], -2.0, 3.5]
+    assert math.isnan(values[1][0]) and values[1][2] == 7.0
+    short = cpb.OutputChunk(name="actions", modality=cpb.MODALITY_ACTION, tensor=tensor_pb2.Tensor(
+        name="actions", datatype="FP32", shape=[2, 3], raw=struct.pack("<5f", *range(5))))
+    with pytest.raises(ProtocolError, match="20 bytes do not make FP32"):
+        chunk_line(short)
+    with pytest.raises(ProtocolError, match="20 bytes do not make FP32"):
+        chunk_json(short)
