@@ -6,14 +6,16 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import TOY_CONFIGS
 
 from mstar import cli
 from mstar.launcher import LaunchError, LaunchOptions, Mesh
 from mstar.ports import PortInUse
 from mstar.services.transport import mooncake
+
+TOY_CONFIGS = Path(__file__).resolve().parent.parent / "models" / "toy" / "configs"
 
 
 def parse(*argv: str) -> argparse.Namespace:
