@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 
@@ -95,6 +96,9 @@ def test_two_meshes_with_their_own_prefixes_serve_side_by_side(tmp_path):
             assert [p.stat().st_size for p in folder.rglob("*") if p.is_file()] == [len(big)]
             lines = [json.loads(x) for x in resp.read().decode().splitlines() if x.strip()]
         assert lines[-1]["type"] == "final"
+        deadline = time.monotonic() + 5  # the client may read the last line before the handler's finally runs
+        while [p for p in folder.rglob("*") if p.is_file()] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert [p for p in folder.rglob("*") if p.is_file()] == []
 
         assert a.stop() == 0
