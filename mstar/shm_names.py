@@ -15,7 +15,7 @@ import re
 SHM_DIR = "/dev/shm"
 LOCK_DIR = os.path.join(SHM_DIR, ".mstar-prefixes")
 _GUARD = ".guard"  # held while a launcher checks and takes its prefix
-_VALID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+_VALID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # as shm.py accepts segment names
 
 
 class PrefixError(ValueError):
@@ -26,7 +26,7 @@ def check_prefix(prefix: str) -> str:
     if not _VALID.fullmatch(prefix):
         raise PrefixError(f"--socket-path-prefix {prefix!r}: M* has no Unix sockets; the prefix names this mesh's "
                           f"shared-memory segments in {SHM_DIR}, so it must be 1-100 letters, digits, '.', '_' or '-' "
-                          f"and not start with '.' (e.g. mstar_alice_)")
+                          f"starting with a letter or digit (e.g. mstar_alice_)")
     return prefix
 
 

@@ -21,6 +21,8 @@ from mstar.models.registry import UnknownModel, configs_dir
     ("toy_colocated", None, "toy/colocated.yaml"),  # our own colocated.yaml wins over the original's meaning
     ("toy_single_gpu", "toy", "toy/default.yaml"),
     ("vision_split", "pi05", "pi05/vision_split.yaml"),
+    ("bagel_cfg_parallel", None, "bagel/cfg_parallel.yaml"),  # the original's names for BAGEL's layouts
+    ("bagel_single_gpu", None, "bagel/default.yaml"),
 ])
 def test_layout_names_resolve_to_shipped_files(name, model, want):
     path = resolve(name, model)
@@ -39,7 +41,8 @@ def test_a_path_is_taken_as_is(tmp_path):
                                     "pd_disaggregated (1 device; also orpheus_pd_disaggregated)", "tp2 (2 devices)"]),
     ("toy_pd_disaggregated", "toy", ["model 'toy' has no layout 'pd_disaggregated'", "two_hosts (1 device)"]),
     ("bogus", "vjepa2", ["model 'vjepa2' has no layout 'bogus'", "default (1 device; also vjepa2_single_gpu"]),
-    ("bagel_single_gpu", None, ["no such file, and not a layout name", "orpheus, pi05, toy, vjepa2", "mstar models"]),
+    ("qwen3omni_colocated", None, ["no such file, and not a layout name", "bagel, orpheus, pi05, toy, vjepa2",
+                                   "mstar models"]),
 ])
 def test_an_alias_that_names_no_layout_is_an_error_listing_the_layouts(name, model, words):
     with pytest.raises(ConfigError) as e:
@@ -74,7 +77,7 @@ def test_mstar_models_lists_each_model_with_its_layouts():
     r = subprocess.run([sys.executable, "-m", "mstar.cli", "models"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()  # a fresh process: only the models the package ships (tests register others)
-    assert [x for x in lines if not x.startswith(" ")] == ["orpheus", "pi05", "toy", "vjepa2"]
+    assert [x for x in lines if not x.startswith(" ")] == ["bagel", "orpheus", "pi05", "toy", "vjepa2"]
     orpheus = lines[lines.index("orpheus") + 1:lines.index("pi05")]
     assert [x.split()[0] for x in orpheus] == sorted(p.stem for p in configs_dir("orpheus").glob("*.yaml"))
     assert "  pd_disaggregated (1 device; also orpheus_pd_disaggregated)" in orpheus
