@@ -41,8 +41,8 @@ def test_a_path_is_taken_as_is(tmp_path):
                                     "pd_disaggregated (1 device; also orpheus_pd_disaggregated)", "tp2 (2 devices)"]),
     ("toy_pd_disaggregated", "toy", ["model 'toy' has no layout 'pd_disaggregated'", "two_hosts (1 device)"]),
     ("bogus", "vjepa2", ["model 'vjepa2' has no layout 'bogus'", "default (1 device; also vjepa2_single_gpu"]),
-    ("qwen3omni_colocated", None, ["no such file, and not a layout name", "bagel, orpheus, pi05, toy, vjepa2",
-                                   "mstar models"]),
+    ("qwen3omni_colocated", None, ["no such file, and not a layout name", "bagel, ", "orpheus, ", "toy, ",
+                                   "mstar models"]),  # other test modules register models of their own
 ])
 def test_an_alias_that_names_no_layout_is_an_error_listing_the_layouts(name, model, words):
     with pytest.raises(ConfigError) as e:
