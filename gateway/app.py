@@ -16,12 +16,13 @@ from aiohttp import web
 
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.errors import json_errors
-from mstar.gateway.generate import CLIENT, SETTINGS, GatewaySettings, generate
+from mstar.gateway.generate import CLIENT, SETTINGS, UPLOADS, GatewaySettings, generate
 from mstar.gateway.metrics import http_metrics, metrics_handler
 from mstar.gateway.oai.chat import chat_completions
 from mstar.gateway.oai.images import generate_images
 from mstar.gateway.oai.speech import speech
 from mstar.gateway.openapi import SPEC, build, openapi_handler
+from mstar.gateway.uploads import UploadDir, UploadSettings
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 << 20
 #: set while the gateway drains: /health answers 503 so that load balancers stop sending before it closes
@@ -29,7 +30,8 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 
 
 def create_app(conductor_address: str, *, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-               request_timeout_s: float = 300.0) -> web.Application:
+               request_timeout_s: float = 300.0, uploads: UploadSettings | None = None) -> web.Application:
+    """``uploads``: spill large uploaded files to a folder (uploads.py); None keeps them in memory."""
     settings = GatewaySettings(conductor_address, max_upload_bytes, request_timeout_s)
     app = web.Application(client_max_size=max_upload_bytes, middlewares=[http_metrics, json_errors])
     app[SETTINGS] = settings
@@ -37,6 +39,9 @@ def create_app(conductor_address: str, *, max_upload_bytes: int = DEFAULT_MAX_UP
     app[SPEC] = build(settings)
     app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_conductor_channel)
+    if uploads is not None:
+        app[UPLOADS] = UploadDir(uploads)
+        app.cleanup_ctx.append(_upload_dir)
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
@@ -53,6 +58,13 @@ async def _conductor_channel(app: web.Application):
     await app[CLIENT].open()
     yield
     await app[CLIENT].close()
+
+
+async def _upload_dir(app: web.Application):
+    """The gateway's upload folder: made on startup, removed after in-flight handlers end."""
+    app[UPLOADS].open()
+    yield
+    app[UPLOADS].close()
 
 
 async def health(request: web.Request) -> web.Response:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import BodyPartReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from mstar.gateway.errors import ApiError, bad_request, too_large
+from mstar.gateway.uploads import RequestFiles
 
 FIELDS = ("model", "text", "model_kwargs", "stream", "timeout_s", "request_id", "output")
 _READ_CHUNK = 1 << 16
@@ -25,7 +27,12 @@ class Upload:
 
     name: str
     content_type: str
-    data: bytes
+    data: bytes = b""
+    #: where the bytes are instead, when the part was spilled to the upload dir (uploads.py)
+    path: Path | None = None
+
+    def read(self) -> bytes:
+        return self.path.read_bytes() if self.path is not None else self.data
 
 
 @dataclass(frozen=True)
@@ -43,13 +50,15 @@ class GenerateBody:
     output: str = ""
 
 
-async def read_generate_body(request: web.Request, max_bytes: int, max_timeout_s: float) -> GenerateBody:
+async def read_generate_body(request: web.Request, max_bytes: int, max_timeout_s: float,
+                             spill: RequestFiles | None = None) -> GenerateBody:
+    """``spill``: where file parts larger than its ``spill_bytes`` go (None: memory)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large(max_bytes)
     if request.content_type == "application/json":
         return _from_json(await _read_all(request, max_bytes), max_timeout_s)
     if request.content_type == "multipart/form-data":
-        return await _from_multipart(request, max_bytes, max_timeout_s)
+        return await _from_multipart(request, max_bytes, max_timeout_s, spill)
     sent = request.headers.get(hdrs.CONTENT_TYPE, "no Content-Type")
     raise ApiError(415, f"unsupported Content-Type '{sent}'; send application/json or multipart/form-data",
                    code="UNSUPPORTED_MEDIA_TYPE")
@@ -86,7 +95,8 @@ async def read_json_object(request: web.Request, max_bytes: int) -> dict:
     return _json_object(await _read_all(request, max_bytes))
 
 
-async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: float) -> GenerateBody:
+async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: float,
+                          spill: RequestFiles | None) -> GenerateBody:
     try:
         reader = await request.multipart()
     except (ValueError, AssertionError) as e:
@@ -106,27 +116,48 @@ async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: f
         name = part.name
         if not name:
             raise bad_request(None, "every multipart part needs a name in its Content-Disposition")
-        data = await _read_part(part, max_bytes - total, max_bytes)
-        total += len(data)
+        is_file = name not in FIELDS and part.filename is not None
+        data, size = await _read_part(part, max_bytes - total, max_bytes, spill if is_file else None)
+        total += size
         if name in FIELDS:  # a known field wins even when sent as a file (curl -F model_kwargs=@kw.json)
             if name in values:
                 raise bad_request(name, f"{name}: sent more than once")
             values[name] = _form_value(name, data)
-        elif part.filename is not None:
-            files.append(Upload(name, part.headers.get(hdrs.CONTENT_TYPE, "application/octet-stream"), data))
+        elif is_file:
+            content_type = part.headers.get(hdrs.CONTENT_TYPE, "application/octet-stream")
+            files.append(Upload(name, content_type, path=data) if isinstance(data, Path) else
+                         Upload(name, content_type, data))
         else:
             raise bad_request(name, f"unknown form field '{name}'; fields are {', '.join(FIELDS)}, "
                                     "and a file part needs a filename")
     return _validate(values, max_timeout_s, tuple(files))
 
 
-async def _read_part(part: BodyPartReader, budget: int, max_bytes: int) -> bytes:
-    buf = bytearray()
-    while chunk := await part.read_chunk(_READ_CHUNK):
-        buf += chunk
-        if len(buf) > budget:
-            raise too_large(max_bytes)
-    return bytes(buf)
+async def _read_part(part: BodyPartReader, budget: int, max_bytes: int,
+                     spill: RequestFiles | None = None) -> tuple[bytes | Path, int]:
+    """The part's bytes, or the file they were spilled to once past ``spill.spill_bytes``; and their count."""
+    buf, size = bytearray(), 0
+    path, out = None, None
+    try:
+        while chunk := await part.read_chunk(_READ_CHUNK):
+            size += len(chunk)
+            if size > budget:
+                raise too_large(max_bytes)
+            if out is None and spill is not None and size > spill.spill_bytes:
+                path = spill.new_file()
+                out = open(path, "wb")  # closed in the finally
+                spill.reserve(len(buf))
+                out.write(buf)
+                buf = bytearray()
+            if out is not None:
+                spill.reserve(len(chunk))
+                out.write(chunk)
+            else:
+                buf += chunk
+    finally:
+        if out is not None:
+            out.close()
+    return (path, size) if path is not None else (bytes(buf), size)
 
 
 def _form_value(name: str, data: bytes) -> object:

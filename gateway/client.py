@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +23,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def _build_and_serialize(build: Callable[[], cpb.GenerateRequest]) -> bytes:
+    return build().SerializeToString()
+
+
 class ConductorClient:
     def __init__(self, address: str, *, health_timeout_s: float = 1.0, list_timeout_s: float = 5.0,
                  models_ttl_s: float = 5.0, models_min_refresh_s: float = 1.0):
@@ -30,6 +35,7 @@ class ConductorClient:
         self.models_ttl_s, self.models_min_refresh_s = models_ttl_s, models_min_refresh_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: conductor_pb2_grpc.ConductorStub | None = None
+        self._generate_built: grpc.aio.UnaryStreamMultiCallable | None = None  # Generate, request built at send
         self._health: health_pb2_grpc.HealthStub | None = None
         self._models: dict[str, cpb.ModelInfo] = {}
         self._models_at = -float("inf")  # time.monotonic() of the last ListModels answer
@@ -38,6 +44,9 @@ class ConductorClient:
     async def open(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = conductor_pb2_grpc.ConductorStub(self._channel)
+        self._generate_built = self._channel.unary_stream(
+            "/mstar.v1.Conductor/Generate", request_serializer=_build_and_serialize,
+            response_deserializer=cpb.GenerateResponse.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def close(self, grace_s: float | None = None) -> None:
@@ -51,7 +60,13 @@ class ConductorClient:
             raise RuntimeError("ConductorClient is not open (the app has not started)")
         return self._stub
 
-    def generate(self, request: cpb.GenerateRequest, deadline_s: float) -> grpc.aio.UnaryStreamCall:
+    def generate(self, request: cpb.GenerateRequest | Callable[[], cpb.GenerateRequest],
+                 deadline_s: float) -> grpc.aio.UnaryStreamCall:
+        """``request`` may be a function building it: gRPC calls it as it sends the request, and the
+        call keeps only the function, not the message (whose files may be large)."""
+        if callable(request):
+            assert self._generate_built is not None, "ConductorClient is not open"
+            return self._generate_built(request, timeout=deadline_s)
         return self.stub.Generate(request, timeout=deadline_s)
 
     async def health_problem(self) -> str | None:

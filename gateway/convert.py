@@ -24,7 +24,8 @@ class ProtocolError(Exception):
 
 
 def to_request(body: GenerateBody) -> cpb.GenerateRequest:
-    files = [cpb.InputFile(name=f.name, content_type=f.content_type, data=f.data) for f in body.files]
+    """Spilled files are read from the upload dir here (generate.py calls this as gRPC sends)."""
+    files = [cpb.InputFile(name=f.name, content_type=f.content_type, data=f.read()) for f in body.files]
     return cpb.GenerateRequest(model=body.model, text=body.text, files=files,
                                model_kwargs_json=json.dumps(body.model_kwargs) if body.model_kwargs else "",
                                request_id=body.request_id, timeout_s=body.timeout_s)

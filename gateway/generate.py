@@ -22,6 +22,7 @@ from mstar.gateway.body import read_generate_body
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.convert import Collected, ProtocolError, error_json, message_lines, to_request
 from mstar.gateway.errors import ApiError, bad_request
+from mstar.gateway.uploads import RequestFiles, UploadDir
 from mstar.v1 import conductor_pb2 as cpb
 
 log = logging.getLogger("mstar.gateway")
@@ -50,11 +51,22 @@ class GatewaySettings:
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 CLIENT = web.AppKey("client", ConductorClient)
+#: where large uploads spill (absent: they stay in memory); uploads.py
+UPLOADS = web.AppKey("uploads", UploadDir)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    spill = request.app[UPLOADS].request() if UPLOADS in request.app else None
+    try:
+        return await _generate(request, spill)
+    finally:  # every way a request ends, a client gone (the handler cancelled) included
+        if spill is not None:
+            spill.remove()
+
+
+async def _generate(request: web.Request, spill: RequestFiles | None) -> web.StreamResponse:
     settings, client = request.app[SETTINGS], request.app[CLIENT]
-    body = await read_generate_body(request, settings.max_upload_bytes, settings.request_timeout_s)
+    body = await read_generate_body(request, settings.max_upload_bytes, settings.request_timeout_s, spill)
     info, served = await client.find_model(body.model)
     if info is None:
         raise ApiError(404, f"model: unknown model '{body.model}'. Served: {', '.join(served) or 'none'}",
@@ -68,7 +80,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if binary == OCTET and body.stream:
         raise bad_request("stream", f"stream: one {OCTET} body cannot stream; send Accept: {MULTIPART} for "
                                     "each chunk as it is produced")
-    call = client.generate(to_request(body), (body.timeout_s or settings.request_timeout_s) + DEADLINE_SLACK_S)
+    # built as gRPC sends it: spilled files are read from disk then, and the call keeps no copy
+    call = client.generate(lambda: to_request(body), (body.timeout_s or settings.request_timeout_s) + DEADLINE_SLACK_S)
     try:
         first = await next_message(call)  # an AioRpcError here becomes an HTTP status in the middleware
         if first is None:

@@ -12,6 +12,7 @@ import uvloop
 from aiohttp import web
 
 from mstar.gateway.app import DRAINING, create_app
+from mstar.gateway.uploads import UploadSettings
 
 log = logging.getLogger("mstar.gateway")
 
@@ -23,6 +24,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks a free port)")
     p.add_argument("--port-file", metavar="PATH", help="write the bound port number to PATH once listening")
     p.add_argument("--max-upload-mb", type=float, default=32.0, help="largest request body in MiB (default 32)")
+    p.add_argument("--upload-dir", metavar="DIR", help="spill uploaded files larger than --upload-spill-mb to DIR "
+                   "(default: keep them in memory)")
+    p.add_argument("--upload-spill-mb", type=float, default=1.0, help="a file part larger than this goes to "
+                   "--upload-dir, MiB (default 1)")
+    p.add_argument("--upload-dir-max-mb", type=float, default=1024.0, help="the most spilled uploads kept in "
+                   "--upload-dir at once, MiB; past it a request gets 413 (default 1024)")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="longest a request may run and largest timeout_s a client may ask for, seconds (default 300)")
     p.add_argument("--shutdown-grace", type=float, default=4.0,
@@ -34,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_upload_mb <= 0:
         p.error("--max-upload-mb must be > 0")
+    if args.upload_spill_mb < 0 or args.upload_dir_max_mb <= 0:
+        p.error("--upload-spill-mb must be >= 0 and --upload-dir-max-mb > 0")
     if args.request_timeout <= 0:
         p.error("--request-timeout must be > 0")
     if args.shutdown_grace <= 0:  # aiohttp reads a shutdown timeout of 0 as "wait forever"
@@ -53,7 +62,10 @@ def _write_port_file(path: str, port: int) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    app = create_app(args.conductor, max_upload_bytes=int(args.max_upload_mb * 2**20), request_timeout_s=args.request_timeout)
+    uploads = None if args.upload_dir is None else UploadSettings(
+        args.upload_dir, int(args.upload_spill_mb * 2**20), int(args.upload_dir_max_mb * 2**20))
+    app = create_app(args.conductor, max_upload_bytes=int(args.max_upload_mb * 2**20), request_timeout_s=args.request_timeout,
+                     uploads=uploads)
     # handler_cancellation: a client that disconnects cancels its handler, hence its gRPC call.
     # shutdown_timeout: aiohttp waits it twice for an in-flight handler (to finish, then to notice its
     # request was cancelled) before cancelling the handler; half the grace each keeps the total bounded.

@@ -76,10 +76,15 @@ def create_model(name: str, model_kwargs: dict[str, Any] | None = None, cache_di
     return model_class(name)(model_kwargs, cache_dir)
 
 
+def configs_dir(name: str) -> Path:
+    """Where the model's shipped placement YAMLs live (``models/<name>/configs``)."""
+    model_class(name)  # unknown names fail with the list of known ones
+    return _MODELS_DIR / name / "configs"
+
+
 def default_config_path(name: str) -> Path:
     """The model's default placement YAML (``models/<name>/configs/default.yaml``)."""
-    model_class(name)  # unknown names fail with the list of known ones
-    path = _MODELS_DIR / name / "configs" / "default.yaml"
+    path = configs_dir(name) / "default.yaml"
     if not path.exists():
         raise FileNotFoundError(f"model '{name}' ships no default config at {path}; pass --config")
     return path

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,19 +14,26 @@ try:
     from mstar.devices import placement_line, resolve_gpus
     from mstar.env import settings
     from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
+    from mstar.layouts import models_text, resolve, serve_target
     from mstar.models.base import MissingAssets
     from mstar.models.hub import CheckpointError
-    from mstar.models.registry import UnknownModel, create_model, default_config_path, known_models
+    from mstar.models.registry import UnknownModel, create_model, known_models
+    from mstar.netif import transfer_address
+    from mstar.nvtx import NvtxUnavailable, require_cuda
     from mstar.ports import PortInUse
-    from mstar.services.transport import PROTOCOL_HELP, parse_protocol
+    from mstar.services.transport import PROTOCOL_HELP, mooncake, parse_protocol
+    from mstar.shm_names import check_prefix
 except ModuleNotFoundError as _e:  # run from a checkout without its dependencies installed
     raise SystemExit(f"mstar: {_e}: M*'s dependencies are not installed for {sys.executable}. Run `make setup` in the "
                      f"checkout (or pip install -e '.[all]')") from None
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="placement YAML (default: the model's configs/default.yaml)")
-    p.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)")
+    p.add_argument("--config", help="placement YAML, or a shipped layout's name: 'pd_disaggregated', "
+                                    "'orpheus_pd_disaggregated', 'orpheus_single_gpu' (`mstar models` lists them; "
+                                    "default: the model's configs/default.yaml)")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1: nothing is "
+                                                       "reachable from other hosts unless you say so)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free port)")
     p.add_argument("--grpc-port", type=int, default=50051, help="conductor gRPC port (0: any free port)")
     p.add_argument("--gpus", help="comma-separated CUDA device ids that YAML ranks map onto, e.g. 0,1 (default: every "
@@ -42,14 +50,69 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="default per-request timeout in seconds")
+    p.add_argument("--request-timeout", "--timeout", dest="request_timeout", type=float, default=300.0,
+                   help="default per-request timeout in seconds (default 300)")
     p.add_argument("--envoy", action="store_true", help="also run an Envoy front proxy fed by the xDS control plane")
     p.add_argument("--envoy-port", type=int, default=10000, help="Envoy's port for REST and gRPC (0: any free port)")
+    p.add_argument("--enable-nvtx", action="store_true",
+                   help="NVTX ranges around node forwards, engine steps and tensor transfers in every service, for a "
+                        "GPU profiler (needs CUDA; also MSTAR_NVTX=1; default off)")
+    p.add_argument("--socket-path-prefix", metavar="PREFIX",
+                   help="prefix of this mesh's shared-memory segment names in /dev/shm (default mstar-<launcher "
+                        "pid>-); meshes sharing a host or /dev/shm need prefixes that do not overlap")
+    p.add_argument("--upload-dir", metavar="DIR",
+                   help="spill uploaded files larger than --upload-spill-mb to DIR instead of holding them in the "
+                        "gateway's memory; removed when each request ends (default: no spilling)")
+    p.add_argument("--upload-spill-mb", type=float, default=1.0, help="with --upload-dir: a file part larger than "
+                                                                      "this goes to disk (MiB, default 1)")
+    p.add_argument("--upload-dir-max-mb", type=float, default=1024.0,
+                   help="with --upload-dir: the most spilled uploads the gateway keeps there at once; a request that "
+                        "would pass it gets 413 RESOURCE_EXHAUSTED (MiB, default 1024)")
+    p.add_argument("--mooncake-port", type=int, metavar="PORT",
+                   help="Mooncake engines listen on PORT and up, two ports per node group and conductor (default: "
+                        "each engine picks from 15000-17000)")
+    p.add_argument("--tcp-transfer-device", metavar="IFACE|IP",
+                   help="network interface (or IPv4 address) the node groups bind, so their tensor links and "
+                        "Mooncake sessions use it (default: --host)")
+
+
+def _serve_settings(args: argparse.Namespace) -> dict:
+    """The launch options of the serve flags that need checking before anything starts."""
+    out: dict = {"nvtx": args.enable_nvtx or settings().nvtx}
+    if out["nvtx"]:
+        require_cuda()
+    if args.socket_path_prefix is not None:
+        out["shm_prefix"] = check_prefix(args.socket_path_prefix)
+    if args.upload_dir is not None:
+        path = Path(args.upload_dir).expanduser().resolve()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--upload-dir {args.upload_dir}: cannot create it: {e.strerror or e}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"--upload-dir {args.upload_dir}: not writable by this user; pass a folder it may write")
+        out.update(upload_dir=str(path), upload_spill_mb=args.upload_spill_mb, upload_dir_max_mb=args.upload_dir_max_mb)
+    if args.mooncake_port is not None:
+        if parse_protocol(args.tensor_comm_protocol).value in ("TCP", "SHM"):
+            raise ValueError(f"--mooncake-port: --tensor-comm-protocol {args.tensor_comm_protocol} never uses "
+                             "Mooncake; drop one of them")
+        if not mooncake.available():
+            raise ValueError(f"--mooncake-port: {mooncake.unavailable_reason()}")
+        out["mooncake_port"] = args.mooncake_port
+        where = args.tcp_transfer_device or args.host
+        if parse_protocol(args.tensor_comm_protocol).value == "AUTO" and where in ("127.0.0.1", "localhost", "lo"):
+            print(f"mstar: note: --mooncake-port: services on {where} start no Mooncake engine (AUTO moves tensors "
+                  "between them by shared memory); it takes effect with --host or --tcp-transfer-device on another "
+                  "address, or --tensor-comm-protocol RDMA", file=sys.stderr)
+    if args.tcp_transfer_device is not None:
+        out["transfer_address"] = transfer_address(args.tcp_transfer_device)
+    return out
 
 
 def _launch(args: argparse.Namespace, config_path: Path) -> int:
     try:
         parse_protocol(args.tensor_comm_protocol)
+        checked = _serve_settings(args)
         config = load_config(config_path)
         gpus = resolve_gpus(args.gpus, config.node_groups)
         cache_dir = args.cache_dir
@@ -62,12 +125,12 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
         opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
                              envoy=args.envoy, envoy_port=args.envoy_port,
-                             download=args.download or settings().download)
+                             download=args.download or settings().download, **checked)
         mesh = Mesh(config, opts)
         print(placement_line(config.node_groups, gpus, args.gpus), file=sys.stderr, flush=True)
         return run_forever(mesh)
     except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets, PortInUse,
-            CheckpointError) as e:
+            CheckpointError, NvtxUnavailable) as e:
         print(f"mstar: {e}", file=sys.stderr)
         return 2
 
@@ -76,9 +139,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="mstar", description="M*: serve composite multimodal models as a gRPC mesh")
     sub = p.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="serve a model: node groups, conductor and REST gateway")
-    serve.add_argument("model", help=f"model name ({', '.join(known_models())})")
+    serve.add_argument("model", help=f"model name ({', '.join(known_models())}), or a layout name such as "
+                                     "orpheus_pd_disaggregated")
     _serve_args(serve)
-    sub.add_parser("models", help="list registered models")
+    sub.add_parser("models", help="list registered models and the layouts each ships")
     deploy_cli.add_parser(sub)
     check = sub.add_parser("check-config", help="validate a placement YAML against its model")
     check.add_argument("config")
@@ -86,7 +150,7 @@ def main(argv=None) -> None:
     if args.cmd == "deploy":
         sys.exit(deploy_cli.main(args))
     if args.cmd == "models":
-        print("\n".join(known_models()))
+        print(models_text())
         sys.exit(0)
     if args.cmd == "check-config":
         try:
@@ -99,9 +163,9 @@ def main(argv=None) -> None:
             print(f"walk {walk}: node groups {', '.join(placement.fragments(walk))}")
         sys.exit(0)
     try:
-        config_path = Path(args.config) if args.config else default_config_path(args.model)
-        if args.config and load_config(config_path).model != args.model:
-            raise ConfigError(f"{config_path} serves model '{load_config(config_path).model}', not '{args.model}'")
+        model, config_path = serve_target(args.model, args.config)
+        if load_config(config_path).model != model:
+            raise ConfigError(f"{config_path} serves model '{load_config(config_path).model}', not '{model}'")
     except (ConfigError, UnknownModel, FileNotFoundError) as e:
         print(f"mstar: {e}", file=sys.stderr)
         sys.exit(2)
@@ -114,7 +178,12 @@ def serve_main(argv=None) -> None:
     args = p.parse_args(argv)
     if not args.config:
         p.error("--config is required")
-    sys.exit(_launch(args, Path(args.config)))
+    try:
+        config_path = resolve(args.config)
+    except (ConfigError, UnknownModel) as e:
+        print(f"mstar: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_launch(args, config_path))
 
 
 if __name__ == "__main__":

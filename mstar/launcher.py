@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from mstar.config import Placement, PlacementConfig
 from mstar.models import hub
 from mstar.models.registry import create_model
 from mstar.ports import PortInUse, free_port, taken_ports
+from mstar.shm_names import PrefixLock
 
 
 class LaunchError(RuntimeError):
@@ -44,6 +46,21 @@ class LaunchOptions:
     envoy: bool = False  # also run the xDS control plane and an Envoy front proxy
     envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
     download: bool = False  # fetch checkpoints missing from the local caches (mstar.models.hub)
+    shm_prefix: str | None = None  # shared-memory segment names' prefix (None: mstar-<launcher pid>-)
+    nvtx: bool = False  # MSTAR_NVTX=1 for every service (the caller checked that CUDA is there)
+    upload_dir: str | None = None  # where the gateway spills large uploads (None: they stay in memory)
+    upload_spill_mb: float = 1.0  # a file part larger than this goes to upload_dir
+    upload_dir_max_mb: float = 1024.0  # the most the gateway keeps in upload_dir at once
+    mooncake_port: int | None = None  # first of the ports Mooncake engines listen on (None: Mooncake picks)
+    transfer_address: str | None = None  # IPv4 the node groups bind, so tensors cross there (None: host)
+
+    def __post_init__(self):
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"--request-timeout/--timeout must be a positive number of seconds, got "
+                             f"{self.request_timeout_s:g}")
+        if self.upload_dir is not None and not (self.upload_spill_mb >= 0 and self.upload_dir_max_mb > 0):
+            raise ValueError(f"--upload-spill-mb must be >= 0 and --upload-dir-max-mb > 0, got "
+                             f"{self.upload_spill_mb:g} and {self.upload_dir_max_mb:g}")
 
 
 @dataclass
@@ -55,6 +72,12 @@ class Service:
     proc: subprocess.Popen | None = None
     metrics_port: int | None = None  # Prometheus /metrics (the gateway serves it on its HTTP port)
     probe: Callable[[], bool] | None = None  # health check, when neither gRPC health nor GET /health
+    env: dict[str, str] | None = None  # this service's additions to the mesh's environment
+    mooncake_ports: tuple[int, int] | None = None  # (first, last) its Mooncake engine may listen on
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
 
 
 class Mesh:
@@ -67,9 +90,11 @@ class Mesh:
         # ...or missing checkpoints (downloaded here when allowed), naming each and how to fetch it
         hub.ensure(model.checkpoints(), opts.cache_dir, download=opts.download, model=config.model)
         model.check_assets()  # ...or incomplete ones, with a message saying where to put them
-        self.shm_prefix = f"mstar-{os.getpid()}-"
+        self.shm_prefix = opts.shm_prefix or f"mstar-{os.getpid()}-"
+        self._prefix_lock = PrefixLock(self.shm_prefix)
         h = opts.host
-        groups = {g.name: f"{h}:{free_port(h)}" for g in config.node_groups}
+        th = opts.transfer_address or h  # node groups: their links carry the tensors
+        groups = {g.name: f"{th}:{free_port(th)}" for g in config.node_groups}
         grpc_port = opts.grpc_port or free_port(h)
         http_port = opts.port or free_port(h)
         self.conductor_address = f"{h}:{grpc_port}"
@@ -93,7 +118,11 @@ class Mesh:
             *(["--cache-dir", opts.cache_dir] if opts.cache_dir else [])]))
         self.services.append(Service("gateway", "gateway", f"{h}:{http_port}", [
             py, "-m", "mstar.gateway", "--conductor", self.conductor_address, "--host", h,
-            "--port", str(http_port), "--log-level", lvl, "--request-timeout", str(opts.request_timeout_s)]))
+            "--port", str(http_port), "--log-level", lvl, "--request-timeout", str(opts.request_timeout_s),
+            *(["--upload-dir", opts.upload_dir, "--upload-spill-mb", str(opts.upload_spill_mb),
+               "--upload-dir-max-mb", str(opts.upload_dir_max_mb)] if opts.upload_dir else [])]))
+        if opts.mooncake_port is not None:
+            self._assign_mooncake_ports(opts.mooncake_port)
         self.proxy = None
         if opts.envoy:
             from mstar.xds.local import FrontProxy
@@ -103,40 +132,62 @@ class Mesh:
             self.services += self.proxy.services
         for s in self.services:
             if s.kind not in ("gateway", "envoy"):
-                s.metrics_port = free_port(h)
+                s.metrics_port = free_port(s.host)
                 s.argv += ["--metrics-port", str(s.metrics_port)]
 
+    def _assign_mooncake_ports(self, first: int) -> None:
+        """Each service that may start a Mooncake engine (node groups, the conductor) gets two
+        ports of its own, [first + 2i, first + 2i + 1]: the engine's handshake (RPC) port and its
+        TCP transport's port, both taken from MC_MIN_RPC_PORT..MC_MAX_RPC_PORT."""
+        users = [s for s in self.services if s.kind in ("node_group", "conductor")]
+        last = first + 2 * len(users) - 1
+        if not (1 <= first and last <= 65535):
+            raise LaunchError(f"--mooncake-port {first}: this mesh's {len(users)} services need ports {first}-{last}; "
+                              f"pass a port from 1 to {65536 - 2 * len(users)}")
+        for i, s in enumerate(users):
+            s.mooncake_ports = (first + 2 * i, first + 2 * i + 1)
+            s.env = {**(s.env or {}), "MC_MIN_RPC_PORT": str(first + 2 * i), "MC_MAX_RPC_PORT": str(first + 2 * i + 1)}
+
     # -- start ---------------------------------------------------------------------------
-    def ports(self) -> dict[str, int]:
-        """Every port this mesh's services will listen on, by who binds it (0: the service
-        picks a free one itself)."""
+    def ports(self) -> dict[str, dict[str, int]]:
+        """Every port this mesh's services will listen on, by the address it is bound on and who
+        binds it (0: the service picks a free one itself). Mooncake listens on every address."""
         flags = {"conductor": "--grpc-port", "gateway": "--port", "envoy": "--envoy-port"}
-        out = {}
+        out: dict[str, dict[str, int]] = {}
         for s in self.services:
             what = f"{s.kind} '{s.name}'" if s.kind == "node_group" else s.name
             flag = flags.get(s.kind)
-            out[f"{what} ({flag})" if flag else what] = int(s.address.rsplit(":", 1)[1])
+            on = out.setdefault(s.host, {})
+            on[f"{what} ({flag})" if flag else what] = int(s.address.rsplit(":", 1)[1])
             if s.metrics_port is not None:
-                out[f"{what} metrics"] = s.metrics_port
+                on[f"{what} metrics"] = s.metrics_port
+            if s.mooncake_ports is not None:
+                for k, port in enumerate(s.mooncake_ports, 1):
+                    out.setdefault("0.0.0.0", {})[f"{what} Mooncake #{k} (--mooncake-port)"] = port
         return out
 
     def check_ports(self) -> None:
         """Raise PortInUse naming every port of this mesh that another socket holds (an M* mesh
         already running, another program): nothing has started yet."""
-        taken = taken_ports(self.opts.host, self.ports())
+        taken = [t for host, ports in self.ports().items() for t in taken_ports(host, ports)]
         if taken:
             raise PortInUse(f"cannot start: {len(taken)} port(s) in use: {'; '.join(taken)}. Is another `mstar serve` "
-                            f"running? Stop it, or pass other ports (--port, --grpc-port, --envoy-port; 0 picks a "
-                            f"free one)")
+                            f"running? Stop it, or pass other ports (--port, --grpc-port, --envoy-port: 0 picks a "
+                            f"free one; --mooncake-port)")
+
+    def environment(self) -> dict[str, str]:
+        """What every service's environment adds to the launcher's."""
+        return {"MSTAR_SHM_PREFIX": self.shm_prefix, **({"MSTAR_NVTX": "1"} if self.opts.nvtx else {})}
 
     def start(self) -> None:
-        env = {**os.environ, "MSTAR_SHM_PREFIX": self.shm_prefix}
+        env = {**os.environ, **self.environment()}
         self.check_ports()
+        self._prefix_lock.acquire()
         try:
             for kind in ("node_group", "conductor", "gateway", "xds", "envoy"):
                 batch = [s for s in self.services if s.kind == kind]
                 for s in batch:
-                    s.proc = subprocess.Popen(s.argv, env=env, stdin=subprocess.DEVNULL)
+                    s.proc = subprocess.Popen(s.argv, env={**env, **(s.env or {})}, stdin=subprocess.DEVNULL)
                 for s in batch:
                     self._wait_healthy(s)
         except BaseException:
@@ -192,6 +243,8 @@ class Mesh:
                     s.proc.kill()
                     s.proc.wait()
         self.cleanup_shm()
+        self._prefix_lock.release()
+        self.cleanup_uploads()
         if self.proxy is not None:
             self.proxy.cleanup()
 
@@ -204,6 +257,12 @@ class Mesh:
             except FileNotFoundError:
                 pass
         return left
+
+    def cleanup_uploads(self) -> None:
+        """The gateway removes its upload folder as it stops; after a crash, the launcher does."""
+        gateway = next(s for s in self.services if s.kind == "gateway")
+        if self.opts.upload_dir and gateway.proc is not None:
+            shutil.rmtree(Path(self.opts.upload_dir) / f"gateway-{gateway.proc.pid}", ignore_errors=True)
 
     def describe(self) -> str:
         groups = [s.name for s in self.services if s.kind == "node_group"]

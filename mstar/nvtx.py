@@ -21,6 +21,20 @@ _pop: Callable[[], object] | None = None
 ACTIVE = False
 
 
+class NvtxUnavailable(RuntimeError):
+    """NVTX ranges were asked for where there is no CUDA to profile."""
+
+
+def require_cuda() -> None:
+    """Raise NvtxUnavailable unless torch sees a CUDA device (the launcher checks up front)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NvtxUnavailable("--enable-nvtx needs a CUDA build of torch and a GPU (NVTX ranges go to a GPU "
+                              f"profiler such as Nsight Systems); this torch is {torch.__version__} and sees no CUDA "
+                              "device. Drop --enable-nvtx (and MSTAR_NVTX) here")
+
+
 class _Span:
     __slots__ = ("name",)
 
@@ -44,9 +58,7 @@ def configure(enabled: bool, push: Callable[[str], object] | None = None, pop: C
     if push is None or pop is None:
         import torch
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("--enable-nvtx needs a CUDA build of torch and a GPU (NVTX ranges go to a GPU "
-                               f"profiler); this torch is {torch.__version__}")
+        require_cuda()
         push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
     _push, _pop = push, pop
     ACTIVE = True

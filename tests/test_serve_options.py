@@ -1,0 +1,127 @@
+"""`mstar serve` options from the original M*'s docs: what the launcher hands each service, and the
+checks made before anything starts (a clear error naming the flag, no traceback)."""
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mstar import cli
+from mstar.launcher import LaunchError, LaunchOptions, Mesh
+from mstar.ports import PortInUse
+from mstar.services.transport import mooncake
+
+TOY_CONFIGS = Path(__file__).resolve().parent.parent / "models" / "toy" / "configs"
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli._serve_args(p)
+    return p.parse_args(list(argv))
+
+
+def mesh(toy_config, **opts) -> Mesh:
+    return Mesh(toy_config(), LaunchOptions(TOY_CONFIGS / "default.yaml", port=0, grpc_port=0, **opts))
+
+
+def test_timeout_is_a_spelling_of_request_timeout():
+    assert parse("--timeout", "7").request_timeout == 7.0
+    assert parse("--request-timeout", "8").request_timeout == 8.0
+    assert parse().request_timeout == 300.0
+    with pytest.raises(ValueError, match="--request-timeout/--timeout must be a positive number of seconds, got -1"):
+        LaunchOptions(TOY_CONFIGS / "default.yaml", request_timeout_s=-1)
+
+
+def test_the_options_reach_the_services(toy_config, tmp_path):
+    m = mesh(toy_config, nvtx=True, shm_prefix="mstar-opt-", upload_dir=str(tmp_path), upload_spill_mb=0.5,
+             upload_dir_max_mb=8, transfer_address="127.0.0.2", request_timeout_s=30)
+    assert m.environment() == {"MSTAR_SHM_PREFIX": "mstar-opt-", "MSTAR_NVTX": "1"}
+    by = {s.name: s for s in m.services}
+    gw = by["gateway"].argv
+    assert gw[gw.index("--upload-dir") + 1:gw.index("--upload-dir") + 6] == [
+        str(tmp_path), "--upload-spill-mb", "0.5", "--upload-dir-max-mb", "8"]
+    assert gw[gw.index("--request-timeout") + 1] == "30"
+    assert [by[g].host for g in ("encoder", "decoder", "audio")] == ["127.0.0.2"] * 3  # tensors cross there
+    assert by["conductor"].host == by["gateway"].host == "127.0.0.1"  # the public ports stay on --host
+    assert mesh(toy_config).environment() == {"MSTAR_SHM_PREFIX": f"mstar-{os.getpid()}-"}  # nvtx off by default
+    assert "--upload-dir" not in {s.name: s for s in mesh(toy_config).services}["gateway"].argv
+
+
+def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch):
+    """start() hands each process the launcher's environment plus the mesh's (MSTAR_NVTX, the
+    shm prefix) plus its own (its Mooncake ports)."""
+    import mstar.launcher as launcher
+
+    started = {}
+
+    class FakeProc:
+        returncode = 0
+
+        def __init__(self, argv, env, stdin):
+            self.argv = argv
+            started[argv[argv.index("--group") + 1] if "--group" in argv else argv[2]] = env
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(Mesh, "_wait_healthy", lambda self, s: None)
+    monkeypatch.setenv("MSTAR_TEST_INHERITED", "yes")
+    m = mesh(toy_config, nvtx=True, mooncake_port=41000, shm_prefix=f"mstar-envtest{os.getpid()}-")
+    m.start()
+    m.stop()
+    assert set(started) == {"encoder", "decoder", "audio", "mstar.conductor", "mstar.gateway"}
+    for name, env in started.items():
+        assert env["MSTAR_NVTX"] == "1" and env["MSTAR_SHM_PREFIX"] == m.shm_prefix, name
+        assert env["MSTAR_TEST_INHERITED"] == "yes", name
+    ports = [(started[n]["MC_MIN_RPC_PORT"], started[n]["MC_MAX_RPC_PORT"])
+             for n in ("encoder", "decoder", "audio", "mstar.conductor")]
+    assert ports == [("41000", "41001"), ("41002", "41003"), ("41004", "41005"), ("41006", "41007")]
+    assert "MC_MIN_RPC_PORT" not in started["mstar.gateway"]
+
+
+def test_mooncake_ports_are_checked_before_anything_starts(toy_config):
+    with pytest.raises(LaunchError, match=r"--mooncake-port 65530: this mesh's 4 services need ports 65530-65537; "
+                                          r"pass a port from 1 to 65528"):
+        mesh(toy_config, mooncake_port=65530)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        m = mesh(toy_config, mooncake_port=port - 2)
+        with pytest.raises(PortInUse, match=rf"node_group 'decoder' Mooncake #1 \(--mooncake-port\) \(0.0.0.0:{port}\)"):
+            m.check_ports()
+
+
+@pytest.mark.parametrize("argv,env,words", [
+    (["--tcp-transfer-device", "nosuch0"], {}, "--tcp-transfer-device nosuch0: no network interface named 'nosuch0' "
+                                               "on this host; its interfaces: "),
+    (["--tcp-transfer-device", "10.255.255.254"], {}, "--tcp-transfer-device 10.255.255.254: not an address of this host"),
+    (["--socket-path-prefix", "/tmp/mstar_alice/"], {}, "M* has no Unix sockets; the prefix names this mesh's "
+                                                        "shared-memory segments in /dev/shm"),
+    (["--mooncake-port", "40000", "--tensor-comm-protocol", "TCP"], {}, "--mooncake-port: --tensor-comm-protocol TCP "
+                                                                         "never uses Mooncake"),
+    (["--upload-dir", "/proc/mstar-uploads"], {}, "--upload-dir /proc/mstar-uploads: cannot create it"),
+    (["--enable-nvtx"], {}, "--enable-nvtx needs a CUDA build of torch and a GPU"),
+    ([], {"MSTAR_NVTX": "1"}, "--enable-nvtx needs a CUDA build of torch and a GPU"),
+])
+def test_a_bad_option_is_a_clear_error_before_anything_starts(argv, env, words):
+    if "CUDA" in words:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this host has CUDA: NVTX ranges are allowed")
+    r = subprocess.run([sys.executable, "-m", "mstar.cli", "serve", "toy", "--port", "0", "--grpc-port", "0", *argv],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert words in r.stderr and "M* ready" not in r.stdout, r.stderr[-2000:]
+
+
+def test_mooncake_port_needs_mooncake(monkeypatch):
+    monkeypatch.setattr(mooncake, "available", lambda: False)
+    with pytest.raises(ValueError, match="--mooncake-port: cannot import mooncake.engine"):
+        cli._serve_settings(parse("--mooncake-port", "40000"))
