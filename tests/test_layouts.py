@@ -77,7 +77,7 @@ def test_mstar_models_lists_each_model_with_its_layouts():
     r = subprocess.run([sys.executable, "-m", "mstar.cli", "models"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()  # a fresh process: only the models the package ships (tests register others)
-    assert [x for x in lines if not x.startswith(" ")] == ["bagel", "orpheus", "pi05", "toy", "vjepa2"]
+    assert [x for x in lines if not x.startswith(" ")] == ["bagel", "orpheus", "pi05", "qwen3_omni", "toy", "vjepa2"]
     orpheus = lines[lines.index("orpheus") + 1:lines.index("pi05")]
     assert [x.split()[0] for x in orpheus] == sorted(p.stem for p in configs_dir("orpheus").glob("*.yaml"))
     assert "  pd_disaggregated (1 device; also orpheus_pd_disaggregated)" in orpheus
