@@ -15,8 +15,10 @@ Measured (CUDA-synchronised wall time, median of ``--reps`` after ``--warmup``):
   (its TTFT: a 1-token answer; its throughput: N-token answers back to back);
 - the FLOP floor of text-to-image: FLOPs of one guided and one unguided flow step, the VAE decode
   and the prefill (``torch.utils.flop_counter``), over the bf16 matmul peak measured here;
-- ``--two-gpu``: text-to-image through the mesh with ``cfg_parallel_2gpu.yaml`` (branches on cuda:1)
-  against ``default.yaml`` on cuda:0, in the same call.
+- ``--parts multi_gpu``: text-to-image at the first size and editing through the mesh with the CFG
+  branches on one device (``default.yaml``), two (``cfg_parallel_2gpu.yaml``) and three
+  (``cfg_parallel.yaml``), as many as the host has; each layout's images against the one-device
+  run's (same seed), and the tensor traffic between groups per flow step with its transport.
 
     python bench/bagel/bench_bagel.py --ckpt /data/bagel-random --reference /work/ref-bagel --out bench/results/bagel/bench.json
     python bench/bagel/bench_bagel.py --device cpu --tiny --out /tmp/bagel.json   # smoke test
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import platform
 import statistics
@@ -167,13 +170,88 @@ def request(text: str, kw: dict, image_png: bytes | None = None):
 
 
 async def one(stub, req) -> dict:
-    t0, first, tokens = time.perf_counter(), None, 0
+    t0, first, tokens, image = time.perf_counter(), None, 0, b""
     async for r in stub.Generate(req, timeout=3600):
         for c in r.chunks:
             if c.name == "text":
                 first = first or time.perf_counter() - t0
                 tokens += len(c.token_ids)
-    return {"total_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens}
+            elif c.name == "image":
+                image += c.data
+    return {"total_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens, "image": image}
+
+
+@contextlib.contextmanager
+def launched(config_name: str, kwargs: dict, gpus: int):
+    """The layout as ``mstar serve`` runs it: every group its own process on its rank's device
+    (tensors between groups over CUDA IPC where they share a host)."""
+    import tempfile
+
+    import grpc
+    import yaml
+
+    from mstar.config import load_config
+    from mstar.launcher import LaunchOptions, Mesh
+    from mstar.services.links import CHANNEL_OPTIONS
+    from mstar.v1 import conductor_pb2_grpc
+
+    raw = yaml.safe_load((ROOT / "models/bagel/configs" / f"{config_name}.yaml").read_text())
+    raw["model_kwargs"] = {**(raw.get("model_kwargs") or {}), **kwargs}
+    path = Path(tempfile.mkdtemp(prefix="bagel-bench-")) / f"{config_name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    m = Mesh(load_config(path), LaunchOptions(path, port=0, grpc_port=0, gpus=list(range(gpus)) or None,
+                                              log_level="WARNING", startup_timeout_s=900, request_timeout_s=3600))
+    m.start()
+    try:
+        yield m, lambda: grpc.aio.insecure_channel(m.conductor_address, options=CHANNEL_OPTIONS), \
+            conductor_pb2_grpc.ConductorStub
+    finally:
+        m.stop()
+
+
+def edge_traffic(urls: dict[str, str]) -> dict[tuple[str, ...], list[float]]:
+    """The node groups' tensor traffic so far, from their /metrics: (src, dst, edge, transport) ->
+    [tensors, bytes]."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for name, url in urls.items():
+        if name in ("gateway", "envoy", "conductor"):
+            continue
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            if fam.name in ("mstar_edge_tensors", "mstar_edge_bytes"):
+                for smp in fam.samples:
+                    if smp.name in (fam.name, fam.name + "_total"):
+                        key = tuple(smp.labels[k] for k in ("src", "dst", "edge", "transport"))
+                        out.setdefault(key, [0.0, 0.0])[fam.name == "mstar_edge_bytes"] += smp.value
+    return out
+
+
+def traffic_between(before: dict, after: dict, steps: int) -> list[dict]:
+    """What crossed between different groups during one request, per flow step."""
+    rows = []
+    for key, (n, b) in sorted(after.items()):
+        n0, b0 = before.get(key, [0.0, 0.0])
+        src, dst, edge, transport = key
+        if src != dst and n > n0:
+            rows.append({"src": src, "dst": dst, "edge": edge, "transport": transport, "tensors": n - n0,
+                         "bytes": b - b0, "bytes_per_step": (b - b0) / steps})
+    return rows
+
+
+def image_difference(a: bytes, b: bytes) -> dict:
+    import numpy as np
+    from PIL import Image
+
+    x, y = (np.asarray(Image.open(io.BytesIO(v)).convert("RGB"), dtype=np.int16) for v in (a, b))
+    if x.shape != y.shape:
+        return {"shapes": [list(x.shape), list(y.shape)]}
+    d = np.abs(x - y)
+    return {"max_abs": int(d.max()), "mean_abs": float(d.mean()), "frac_over_8": float((d > 8).mean())}
 
 
 def served(args, kwargs: dict, png: bytes) -> dict:
@@ -198,16 +276,49 @@ def served(args, kwargs: dict, png: bytes) -> dict:
     return asyncio.run(go())
 
 
-def two_gpu(args, kwargs: dict) -> dict:
-    async def go():
-        out = {}
-        kw = {"height": args.sizes[0], "width": args.sizes[0], "steps": args.steps, "seed": 1}
-        for name, devices in (("one_gpu", {"bagel": "cuda:0"}), ("cfg_parallel_2gpu", {"main": "cuda:0", "uncond": "cuda:1"})):
-            async with mesh(name if name != "one_gpu" else "default", kwargs, devices) as stub:
-                await one(stub, request(PROMPT, kw))
-                out[name] = statistics.median([(await one(stub, request(PROMPT, kw)))["total_s"] for _ in range(args.reps)])
-        return out
-    return asyncio.run(go())
+MULTI_GPU = (("one_gpu", "default"), ("two_gpus", "cfg_parallel_2gpu"), ("three_gpus", "cfg_parallel"))
+
+
+def multi_gpu(args, kwargs: dict, png: bytes, save) -> dict:
+    """Text-to-image at the first size and editing, served by the launcher's mesh (a process per
+    group), with the CFG branches on one, two and three devices (as many as there are); images
+    compared with the one-device run's."""
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 3
+    out: dict = {"gpus": gpus}
+    size = args.sizes[0]
+    jobs = {"t2i": (PROMPT, {"height": size, "width": size, "steps": args.steps, "seed": 1}, None),
+            "edit": ("make it blue", {"mode": "edit", "steps": args.steps, "seed": 1}, png)}
+
+    async def go(m, channel, stub_type) -> dict:
+        res = {}
+        urls = m.metrics_urls()
+        async with channel() as ch:
+            stub = stub_type(ch)
+            for job, (text, kw, image) in jobs.items():
+                await one(stub, request(text, kw, image))  # warm
+                before = edge_traffic(urls)
+                first = await one(stub, request(text, kw, image))
+                traffic = traffic_between(before, edge_traffic(urls), args.steps)
+                times = [first["total_s"]] + [(await one(stub, request(text, kw, image)))["total_s"]
+                                              for _ in range(args.reps - 1)]
+                res[job] = {"median_s": statistics.median(times), "times_s": times, "traffic": traffic,
+                            "image": first["image"]}
+        return res
+
+    images = {}
+    for n, (name, config) in enumerate(MULTI_GPU[:max(1, min(gpus, 3))]):
+        with launched(config, kwargs, gpus=n + 1 if args.device.startswith("cuda") else 0) as m:
+            res = asyncio.run(go(*m))
+        for job, r in res.items():
+            images[(name, job)] = r.pop("image")
+            if name != "one_gpu":
+                r["vs_one_gpu"] = r["median_s"] / out["one_gpu"][job]["median_s"]
+                r["image_vs_one_gpu"] = image_difference(images[("one_gpu", job)], images[(name, job)])
+        out[name] = res
+        save()
+    return out
 
 
 # -- the reference -------------------------------------------------------------------------------
@@ -298,10 +409,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--two-gpu", action="store_true")
+    ap.add_argument("--parts", nargs="+", choices=["pipeline", "served", "reference", "multi_gpu"],
+                    default=["pipeline", "served", "reference"],
+                    help="multi_gpu: the CFG branches on one, two and three devices through the mesh")
     args = ap.parse_args()
-
-    import io
 
     import torch
 
@@ -325,31 +436,41 @@ def main() -> None:
     image.save(buf, format="PNG")
     png = buf.getvalue()
     record: dict = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
+                    "gpus": torch.cuda.device_count() if args.device.startswith("cuda") else 0,
                     "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
 
-    pipe = BagelPipeline(ckpt, args.device, dtype, Fit(*args.vae_image, 16), Fit(*args.vit_image, 14))
-    ours: dict = {}
-    for size in args.sizes:
-        p = FlowParams(size, size, args.steps)
-        ours[f"t2i_{size}"] = timed(lambda p=p: pipe.run("text_to_image", PROMPT, params=p, seed=1), args.device,
-                                    args.reps, args.warmup)
-    ours["edit"] = timed(lambda: pipe.run("edit", "make it blue", image, params=FlowParams(0, 0, args.steps, cfg_img=2.0,
-                         interval=(0.0, 1.0), renorm="text_channel"), seed=1), args.device, args.reps, args.warmup)
-    peak = bf16_peak_tflops(args.device)
-    record["flops"] = {"bf16_peak_tflops": peak, **flop_floor(pipe, args.sizes[0], args.steps, peak)}
-    pipe = None  # frees its weights before the served and reference runs load theirs
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1))
+
     kwargs = {"checkpoint": str(ckpt), "vae_image": list(args.vae_image), "vit_image": list(args.vit_image)}
-    record["ours_pipeline"] = ours
-    record["ours_served"] = served(args, kwargs, png)
-    if args.two_gpu:
-        record["two_gpu"] = two_gpu(args, kwargs)
-    if args.reference:
+    if "pipeline" in args.parts:
+        pipe = BagelPipeline(ckpt, args.device, dtype, Fit(*args.vae_image, 16), Fit(*args.vit_image, 14))
+        ours: dict = {}
+        record["ours_pipeline"] = ours
+        for size in args.sizes:
+            p = FlowParams(size, size, args.steps)
+            ours[f"t2i_{size}"] = timed(lambda p=p: pipe.run("text_to_image", PROMPT, params=p, seed=1), args.device,
+                                        args.reps, args.warmup)
+            save()
+        ours["edit"] = timed(lambda: pipe.run("edit", "make it blue", image, params=FlowParams(
+            0, 0, args.steps, cfg_img=2.0, interval=(0.0, 1.0), renorm="text_channel"), seed=1), args.device,
+            args.reps, args.warmup)
+        peak = bf16_peak_tflops(args.device)
+        record["flops"] = {"bf16_peak_tflops": peak, **flop_floor(pipe, args.sizes[0], args.steps, peak)}
+        save()
+        pipe = None  # frees its weights before the served and reference runs load theirs
+    if "served" in args.parts:
+        record["ours_served"] = served(args, kwargs, png)
+        save()
+    if "multi_gpu" in args.parts:
+        record["multi_gpu"] = multi_gpu(args, kwargs, png, save)
+        save()
+    if "reference" in args.parts and args.reference:
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
         record["reference"] = reference(args, ckpt, image)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
+        save()
     print(json.dumps(record, indent=1))
-
 
 if __name__ == "__main__":
     main()

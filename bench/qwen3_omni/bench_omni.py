@@ -256,8 +256,11 @@ def baseline_level(model, prompt: list[int], streams: int, tokens: int, frames: 
         if device == "cuda":
             torch.cuda.synchronize()
 
+    warm = dict(kw, thinker_max_new_tokens=4, thinker_min_new_tokens=4)
+    if speech:
+        warm |= dict(talker_max_new_tokens=4, talker_min_new_tokens=4)
     with torch.inference_mode():
-        model.generate(input_ids=ids, **kw)  # warm-up at this batch size
+        model.generate(input_ids=ids, **warm)  # warm-up at this batch size (kernels, allocator), short
         sync()
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, **kw)
@@ -287,6 +290,8 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=96)
     ap.add_argument("--audio-frames", type=int, default=125, help="codec frames per answer (12.5 a second)")
     ap.add_argument("--model-kwargs", default="{}", help="JSON merged into the YAML's model_kwargs")
+    ap.add_argument("--parts", nargs="+", choices=["mstar", "baseline"], default=["mstar", "baseline"],
+                    help="one side only (e.g. each in its own process on its own GPUs, to fit one call)")
     args = ap.parse_args()
     if args.tiny:
         args.concurrency, args.baseline_concurrency = "1,2", "1"
@@ -302,6 +307,19 @@ def main() -> None:
         import torch
 
         result["gpu"] = torch.cuda.get_device_name()
+
+    def save() -> None:  # after every level: a run cut short keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+    if "mstar" in args.parts:
+        measure_mstar(args, root, ckpt, knobs, result, save)
+    if args.baseline_concurrency and "baseline" in args.parts:
+        measure_baseline(args, ckpt, result, save)
+    save()
+
+
+def measure_mstar(args, root: Path, ckpt: Path, knobs: dict, result: dict, save) -> None:
     t = time.perf_counter()
     mesh = start_mesh(root, ckpt, args.layout, args.device, result["model_kwargs"])
     result["mesh_start_s"] = time.perf_counter() - t
@@ -313,35 +331,38 @@ def main() -> None:
             r = asyncio.run(level(mesh.conductor_address, n, knobs))
             print(json.dumps(r), flush=True)
             result["mstar"].append(r)
+            save()
         for n in levels:
             r = asyncio.run(level(mesh.conductor_address, n, {**knobs, "modalities": ["text"]}))
             print(json.dumps(r), flush=True)
             result["mstar_text"].append(r)
+            save()
         image = (64, 48) if args.tiny else (448, 336)  # the tiny model's patches are 4 pixels
         asyncio.run(media_request(mesh.conductor_address, {**knobs, "max_tokens": 4, "max_audio_frames": 4}, image))
         result["media_request"] = asyncio.run(media_request(mesh.conductor_address, knobs, image))
         print(json.dumps(result["media_request"]), flush=True)
     finally:
         mesh.stop()
-    if args.baseline_concurrency:
-        model = reference_model(ckpt, args.device)
-        from mstar.models.qwen3_omni.config import OmniConfig
-        from mstar.models.qwen3_omni.prompt import MediaTokens, build_prompt
-        from mstar.models.qwen3_omni.tiny import build_tokenizer
 
-        cfg = OmniConfig.parse(json.loads((ckpt / "config.json").read_text()))
-        tok = build_tokenizer() if args.tiny else build_tokenizer(FULL_SPECIALS, FULL_ROLES)
-        prompt = build_prompt(lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.ids, MediaTokens(-1, -1), TEXT)
-        for n in (int(x) for x in args.baseline_concurrency.split(",")):
-            for speech, key in ((True, "baseline"), (False, "baseline_text")):
-                r = baseline_level(model, prompt, n, args.text_tokens, args.audio_frames, speech, args.device)
-                print(json.dumps(r), flush=True)
-                result[key].append(r)
-        ours = {r["streams"]: r for r in result["mstar"]}
-        result["audio_throughput_ratio"] = {n: ours[n]["audio_s_per_s"] / r["audio_s_per_s"]
-                                            for n, r in ((r["streams"], r) for r in result["baseline"]) if n in ours}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+
+def measure_baseline(args, ckpt: Path, result: dict, save) -> None:
+    model = reference_model(ckpt, args.device)
+    from mstar.models.qwen3_omni.config import OmniConfig
+    from mstar.models.qwen3_omni.prompt import MediaTokens, build_prompt
+    from mstar.models.qwen3_omni.tiny import build_tokenizer
+
+    cfg = OmniConfig.parse(json.loads((ckpt / "config.json").read_text()))
+    tok = build_tokenizer() if args.tiny else build_tokenizer(FULL_SPECIALS, FULL_ROLES)
+    prompt = build_prompt(lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.ids, MediaTokens(-1, -1), TEXT)
+    for n in (int(x) for x in args.baseline_concurrency.split(",")):
+        for speech, key in ((True, "baseline"), (False, "baseline_text")):
+            r = baseline_level(model, prompt, n, args.text_tokens, args.audio_frames, speech, args.device)
+            print(json.dumps(r), flush=True)
+            result[key].append(r)
+            save()
+    ours = {r["streams"]: r for r in result.get("mstar", [])}
+    result["audio_throughput_ratio"] = {n: ours[n]["audio_s_per_s"] / r["audio_s_per_s"]
+                                        for n, r in ((r["streams"], r) for r in result["baseline"]) if n in ours}
 
 
 if __name__ == "__main__":

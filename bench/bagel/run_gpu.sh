@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# BAGEL's GPU runs (issues 31 and 33) in one device call, from the repository root, with .gpuwheels/
+# and .ref/ carried (both git-ignored):
+#   bash bench/bagel/run_gpu.sh OUTDIR [smoke]
+# .gpuwheels/: the cp312 wheels the GPU image lacks (bench/orpheus/run_gpu.sh's list without py-spy and
+#   snac, plus pydantic, pydantic-core, annotated-types, typing-inspection, pillow).
+# .ref/bagel: the public reference tree (github.com/ByteDance-Seed/Bagel; only read, never vendored);
+# .ref/wheels: transformers 4.49.0, tokenizers 0.21.4, huggingface-hub 0.36.2, einops 0.8.2 — the
+#   reference is written for transformers 4.49, so it runs in its own process with those first on the path.
+# Writes the full-size random checkpoint once, then at once: on the last GPU the one-GPU bench (ours as a
+# pipeline and served, then the reference), on the first three (or two) the CFG layouts through the
+# launcher's mesh (one, two, three devices). "smoke": the same with the tiny checkpoint on CUDA.
+set -u -o pipefail
+OUT=${1:?OUTDIR}; MODE=${2:-full}
+T0=$(date +%s)
+stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+mkdir -p /tmp/wh /tmp/ref
+for w in .gpuwheels/*.whl; do python3 -m zipfile -e "$w" /tmp/wh; done
+for w in .ref/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/ref; done
+# the checkout itself is the package (mstar/__init__.py maps the top-level folders into it)
+export PYTHONPATH=$PWD:/tmp/wh PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+N=$(nvidia-smi -L | wc -l); LAST=$((N - 1)); MULTI=$(seq -s, 0 $(( N > 3 ? 2 : N - 2 )))
+if [ "$MODE" = smoke ]; then
+  CK=/tmp/bagel-tiny
+  [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_checkpoint as w; w('$CK')"
+  ARGS=(--device cuda --tiny --ckpt $CK); TO=150
+else
+  CK=/tmp/bagel-full
+  [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_full_checkpoint as w; w('$CK', 'cuda')"
+  stamp "checkpoint"
+  ARGS=(--ckpt $CK --reps 2); TO=$(( 560 - $(date +%s) + T0 ))
+fi
+( CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --parts pipeline served \
+    --out "$OUT/bagel_1gpu.json"; stamp "ours on one GPU"
+  CUDA_VISIBLE_DEVICES=$LAST PYTHONPATH=/tmp/ref:$PYTHONPATH timeout $(( 570 - $(date +%s) + T0 )) python3 \
+    bench/bagel/bench_bagel.py "${ARGS[@]}" --parts reference --reference .ref/bagel --out "$OUT/bagel_reference.json"
+  stamp "reference" ) > "$OUT/bagel_1gpu_log.txt" 2>&1 &
+if [ "$N" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=$MULTI timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --parts multi_gpu \
+    --out "$OUT/bagel_multi_gpu.json" > "$OUT/bagel_multi_log.txt" 2>&1
+  stamp "multi-GPU layouts"
+fi
+wait
+stamp "done"
+tail -n 5 "$OUT"/*_log.txt
