@@ -330,12 +330,14 @@ def reference(args, ckpt: Path, png_image) -> dict:
 
     sys.path.insert(0, str(args.reference))
     notes = []
-    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("torchvision") is None:
+    missing = [m for m in ("flash_attn", "torchvision", "cv2") if importlib.util.find_spec(m) is None]
+    if missing:
         sys.path.insert(0, str(ROOT / "tests/bagel/data"))
         from make_reference import install_stand_ins
 
-        install_stand_ins()
-        notes.append("flash_attn / torchvision stand-ins (torch SDPA; PIL resize) from tests/bagel/data/make_reference.py")
+        install_stand_ins(only_missing=True)
+        notes.append(f"stand-ins (tests/bagel/data/make_reference.py) for {', '.join(missing)}: flash_attn's "
+                     "varlen attention as torch SDPA, torchvision's resize with PIL, cv2 empty")
     from data.data_utils import add_special_tokens
     from data.transforms import ImageTransform
     from inferencer import InterleaveInferencer

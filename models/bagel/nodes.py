@@ -254,17 +254,19 @@ class CombineNode(NodeSubmodule):
     max_batch = 64
 
     def __init__(self, model, ctx: NodeContext):
-        pass
+        self.device = ctx.device
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         out = []
         for c in calls:
             p, ts, dts = flow_of(c)
-            x, i = c.inputs["x"].float(), c.iteration
+            # a branch group's velocities (and the first x, from the conductor) arrive in host memory
+            # unless they crossed by CUDA IPC: all on this group's device
+            x, i = c.inputs["x"].to(self.device, torch.float32), c.iteration
             if i > 0:
                 s_text, s_img = p.scales(ts[i - 1])
-                v = {k: c.inputs[k].float() if c.inputs.get(k) is not None and c.inputs[k].numel() else None
-                     for k in ("v_cond", "v_text", "v_img")}
+                v = {k: c.inputs[k].to(self.device, torch.float32)
+                     if c.inputs.get(k) is not None and c.inputs[k].numel() else None for k in ("v_cond", "v_text", "v_img")}
                 x = x - cfg_combine(v["v_cond"], v["v_text"], v["v_img"], s_text, s_img, p.renorm, p.renorm_min) * dts[i - 1]
             out.append({"x": EMPTY if i >= len(ts) else x, "latent": x})
         return out

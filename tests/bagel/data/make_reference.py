@@ -81,13 +81,21 @@ def resize(img, size, interpolation=InterpolationMode.BILINEAR, antialias=True):
 }
 
 
-def install_stand_ins() -> None:
+def install_stand_ins(only_missing: bool = False) -> None:
+    """Stand-ins for flash_attn, cv2 and torchvision; with ``only_missing``, for those not installed."""
+    import importlib.util
+
+    def wanted(name: str) -> bool:
+        return not only_missing or importlib.util.find_spec(name) is None
+
     root = Path(tempfile.mkdtemp(prefix="bagel-stand-ins-"))
-    (root / "flash_attn").mkdir()
-    (root / "flash_attn" / "__init__.py").write_text(textwrap.dedent(FLASH_ATTN))
-    (root / "cv2").mkdir()
-    (root / "cv2" / "__init__.py").write_text("")  # imported by data/transforms.py for augmentations only
-    for name, text in TORCHVISION.items():
+    if wanted("flash_attn"):
+        (root / "flash_attn").mkdir()
+        (root / "flash_attn" / "__init__.py").write_text(textwrap.dedent(FLASH_ATTN))
+    if wanted("cv2"):
+        (root / "cv2").mkdir()
+        (root / "cv2" / "__init__.py").write_text("")  # imported by data/transforms.py for augmentations only
+    for name, text in TORCHVISION.items() if wanted("torchvision") else ():
         path = root / "torchvision" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
