@@ -378,6 +378,13 @@ def reference(args, ckpt: Path, png_image) -> dict:
     model.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device=dev), strict=True)
     vae.load_state_dict(load_file(str(ckpt / "ae.safetensors"), device=dev), strict=True)
     model, vae = model.to(dtype).eval(), vae.to(dtype).eval()
+    if dev.startswith("cuda"):
+        # as the reference's app loads it (accelerate dispatch): hooks move each module's inputs to
+        # its weights' device (the inferencer builds its index tensors on the host)
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model, device_map={"": dev}, force_hooks=True)
+        vae = dispatch_model(vae, device_map={"": dev}, force_hooks=True)
     tokenizer, ids, _ = add_special_tokens(Qwen2Tokenizer.from_pretrained(str(ckpt)))
     inf = InterleaveInferencer(model, vae, tokenizer, ImageTransform(*args.vae_image, 16), ImageTransform(*args.vit_image, 14), ids)
     out = {"notes": notes}

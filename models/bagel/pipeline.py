@@ -55,7 +55,7 @@ class Result:
 
 class BagelPipeline:
     def __init__(self, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 vae_fit: Fit = VAE_FIT, vit_fit: Fit = VIT_FIT, max_seq_len: int = 8192):
+                 vae_fit: Fit = VAE_FIT, vit_fit: Fit = VIT_FIT, max_seq_len: int = 16384):
         from tokenizers import Tokenizer
 
         d = Path(directory)
