@@ -322,6 +322,19 @@ def multi_gpu(args, kwargs: dict, png: bytes, save) -> dict:
 
 
 # -- the reference -------------------------------------------------------------------------------
+class _OnDevice:
+    """The reference VAE with its inputs moved to its device (its callers pass host tensors)."""
+
+    def __init__(self, vae, device: str, dtype):
+        self.vae, self.device, self.dtype = vae, device, dtype
+
+    def encode(self, x):
+        return self.vae.encode(x.to(self.device, self.dtype))
+
+    def decode(self, z):
+        return self.vae.decode(z.to(self.device, self.dtype))
+
+
 def reference(args, ckpt: Path, png_image) -> dict:
     """The public inferencer on the same checkpoint (bf16 on CUDA as its app runs it)."""
     import importlib.util
@@ -379,12 +392,16 @@ def reference(args, ckpt: Path, png_image) -> dict:
     vae.load_state_dict(load_file(str(ckpt / "ae.safetensors"), device=dev), strict=True)
     model, vae = model.to(dtype).eval(), vae.to(dtype).eval()
     if dev.startswith("cuda"):
-        # as the reference's app loads it (accelerate dispatch): hooks move each module's inputs to
-        # its weights' device (the inferencer builds its index tensors on the host)
-        from accelerate import dispatch_model
+        # as the reference's app loads it (accelerate dispatch with its device map and forced hooks):
+        # the hooks move each module's inputs to its weights' device (the inferencer builds its index
+        # tensors on the host)
+        from accelerate import dispatch_model, infer_auto_device_map
 
-        model = dispatch_model(model, device_map={"": dev}, force_hooks=True)
-        vae = dispatch_model(vae, device_map={"": dev}, force_hooks=True)
+        device_map = infer_auto_device_map(model, max_memory={0: "130GiB"},
+                                           no_split_module_classes=["Bagel", "Qwen2MoTDecoderLayer"])
+        model = dispatch_model(model, device_map=device_map, force_hooks=True)
+        vae = _OnDevice(vae, dev, dtype)
+        notes.append("the reference's app keeps the VAE on the CPU; here it runs on the GPU in bf16, as ours does")
     tokenizer, ids, _ = add_special_tokens(Qwen2Tokenizer.from_pretrained(str(ckpt)))
     inf = InterleaveInferencer(model, vae, tokenizer, ImageTransform(*args.vae_image, 16), ImageTransform(*args.vit_image, 14), ids)
     out = {"notes": notes}
