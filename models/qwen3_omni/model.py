@@ -54,6 +54,7 @@ from mstar.models.graph import (
 from mstar.models.hub import CheckpointError, CheckpointSpec, resolve_checkpoint
 from mstar.models.knobs import KnobError
 from mstar.models.qwen3_omni.knobs import MAX_AUDIO_FRAMES, MAX_TEXT_TOKENS, OmniRequest, OmniServeConfig
+from mstar.models.qwen3_omni.weights import RANDOM_MARKER
 
 SAMPLE_RATE = 24_000
 WEIGHTS_HELP = ("put the snapshot in the HF cache or --cache-dir (models--Qwen--Qwen3-Omni-30B-A3B-Instruct/snapshots/..., "
@@ -123,7 +124,7 @@ class Qwen3OmniModel(Model):
     # -- assets --------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointSpec]:
         return [CheckpointSpec(self.config.checkpoint, required=("config.json", "tokenizer.json",
-                                                                   ("model.safetensors", "model.safetensors.index.json")),
+                                                                   ("model.safetensors", "model.safetensors.index.json", RANDOM_MARKER)),
                                allow_patterns=("*.json", "*.safetensors", "*.txt"))]
 
     def checkpoint_dir(self) -> Path:
