@@ -46,7 +46,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # flat: len() is the byte count at any rank
 
 
 def fill_proto(msg: pb.Tensor, name: str, t: torch.Tensor) -> None:

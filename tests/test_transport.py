@@ -66,6 +66,19 @@ def test_shm_roundtrip_pools_and_frees():
     assert all(n.startswith(settings().shm_prefix) for n in names)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.bfloat16])
+def test_shm_carries_multi_dimensional_tensors_of_any_dtype(dtype):
+    """An image's [3, H, W] uint8 pixels once went as 3 bytes (the byte count was len() of a
+    3-D memoryview: its first dimension)."""
+    sender, receiver = ShmSender("test"), TensorReceiver()
+    t = (torch.rand(3, 256, 192) * 255).to(dtype)
+    msg = encode(sender, "pixels", t)
+    assert msg.WhichOneof("payload") == "shm" and msg.shm.nbytes == t.numel() * t.element_size()
+    assert torch.equal(receiver.decode(msg, []), t)
+    sender.close()
+    receiver.close()
+
+
 def test_timing_settings_are_checked(monkeypatch):
     settings.cache_clear()
     try:

@@ -32,7 +32,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         kb, vb = kb.repeat_interleave(rep, 1), vb.repeat_interleave(rep, 1)
         mask = None
         if causal:  # flash-attn aligns the causal mask to the bottom right
-            mask = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+            mask = torch.arange(lk, device=q.device)[None, :] <= (lk - lq + torch.arange(lq, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), attn_mask=mask)
         out.append(o.transpose(0, 1))
     return torch.cat(out)
