@@ -8,7 +8,7 @@
 # .ref/wheels: transformers 4.49.0, tokenizers 0.21.4, huggingface-hub 0.36.2, einops 0.8.2, accelerate 1.6.0,
 #   psutil — the reference is written for transformers 4.49 (and loads through accelerate's dispatch), so it
 #   runs in its own process with those first on the path.
-# REPS (default 2): timed repetitions after one warm-up; SIZES (default "1024 512"): text-to-image sizes;
+# LIMIT (default 560): seconds from the start by which every bench process is stopped; REPS (default 2): timed repetitions after one warm-up; SIZES (default "1024 512"): text-to-image sizes;
 # PARTS (default "pipeline served"): ours on the one GPU before the reference.
 # Writes the full-size random checkpoint once, then at once: on the last GPU the one-GPU bench (ours as a
 # pipeline and served, then the reference), on the first three (or two) the CFG layouts through the
@@ -32,11 +32,11 @@ else
   CK=/tmp/bagel-full
   [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_full_checkpoint as w; w('$CK', 'cuda')"
   stamp "checkpoint"
-  ARGS=(--ckpt $CK --reps ${REPS:-2} --sizes ${SIZES:-1024 512}); TO=$(( 560 - $(date +%s) + T0 ))
+  ARGS=(--ckpt $CK --reps ${REPS:-2} --sizes ${SIZES:-1024 512}); TO=$(( ${LIMIT:-560} - $(date +%s) + T0 ))
 fi
 ( CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --parts ${PARTS:-pipeline served} \
     --out "$OUT/bagel_1gpu.json"; stamp "ours on one GPU"
-  CUDA_VISIBLE_DEVICES=$LAST PYTHONPATH=/tmp/ref:$PYTHONPATH timeout $(( 570 - $(date +%s) + T0 )) python3 \
+  CUDA_VISIBLE_DEVICES=$LAST PYTHONPATH=/tmp/ref:$PYTHONPATH timeout $(( ${LIMIT:-560} + 10 - $(date +%s) + T0 )) python3 \
     bench/bagel/bench_bagel.py "${ARGS[@]}" --parts reference --reference .ref/bagel --out "$OUT/bagel_reference.json"
   stamp "reference" ) > "$OUT/bagel_1gpu_log.txt" 2>&1 &
 if [ "$N" -ge 2 ]; then
