@@ -276,7 +276,7 @@ def served(args, kwargs: dict, png: bytes) -> dict:
     return asyncio.run(go())
 
 
-MULTI_GPU = (("one_gpu", "default"), ("two_gpus", "cfg_parallel_2gpu"), ("three_gpus", "cfg_parallel"))
+MULTI_GPU = (("one_gpu", "default"), ("three_gpus", "cfg_parallel"), ("two_gpus", "cfg_parallel_2gpu"))
 
 
 def multi_gpu(args, kwargs: dict, png: bytes, save) -> dict:
@@ -308,8 +308,9 @@ def multi_gpu(args, kwargs: dict, png: bytes, save) -> dict:
         return res
 
     images = {}
-    for n, (name, config) in enumerate(MULTI_GPU[:max(1, min(gpus, 3))]):
-        with launched(config, kwargs, gpus=n + 1 if args.device.startswith("cuda") else 0) as m:
+    for name, config in MULTI_GPU if gpus >= 3 else MULTI_GPU[::2][:gpus]:
+        devices = {"one_gpu": 1, "two_gpus": 2, "three_gpus": 3}[name]
+        with launched(config, kwargs, gpus=devices if args.device.startswith("cuda") else 0) as m:
             res = asyncio.run(go(*m))
         for job, r in res.items():
             images[(name, job)] = r.pop("image")

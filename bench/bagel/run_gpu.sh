@@ -9,7 +9,7 @@
 #   psutil — the reference is written for transformers 4.49 (and loads through accelerate's dispatch), so it
 #   runs in its own process with those first on the path.
 # LIMIT (default 560): seconds from the start by which every bench process is stopped; REPS (default 2): timed repetitions after one warm-up; SIZES (default "1024 512"): text-to-image sizes;
-# PARTS (default "pipeline served"): ours on the one GPU before the reference.
+# PARTS (default "pipeline served"; none: the reference alone): ours on the one GPU before the reference.
 # Writes the full-size random checkpoint once, then at once: on the last GPU the one-GPU bench (ours as a
 # pipeline and served, then the reference), on the first three (or two) the CFG layouts through the
 # launcher's mesh (one, two, three devices). "smoke": the same with the tiny checkpoint on CUDA.
@@ -34,8 +34,10 @@ else
   stamp "checkpoint"
   ARGS=(--ckpt $CK --reps ${REPS:-2} --sizes ${SIZES:-1024 512}); TO=$(( ${LIMIT:-560} - $(date +%s) + T0 ))
 fi
-( CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --parts ${PARTS:-pipeline served} \
-    --out "$OUT/bagel_1gpu.json"; stamp "ours on one GPU"
+( if [ "${PARTS:-}" != none ]; then
+    CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --parts ${PARTS:-pipeline served} \
+      --out "$OUT/bagel_1gpu.json"; stamp "ours on one GPU"
+  fi
   CUDA_VISIBLE_DEVICES=$LAST PYTHONPATH=/tmp/ref:$PYTHONPATH timeout $(( ${LIMIT:-560} + 10 - $(date +%s) + T0 )) python3 \
     bench/bagel/bench_bagel.py "${ARGS[@]}" --parts reference --reference .ref/bagel --out "$OUT/bagel_reference.json"
   stamp "reference" ) > "$OUT/bagel_1gpu_log.txt" 2>&1 &
