@@ -279,7 +279,7 @@ def served(args, kwargs: dict, png: bytes) -> dict:
 MULTI_GPU = (("one_gpu", "default"), ("three_gpus", "cfg_parallel"), ("two_gpus", "cfg_parallel_2gpu"))
 
 
-def multi_gpu(args, kwargs: dict, png: bytes, save) -> dict:
+def multi_gpu(args, kwargs: dict, png: bytes, record: dict, save) -> dict:
     """Text-to-image at the first size and editing, served by the launcher's mesh (a process per
     group), with the CFG branches on one, two and three devices (as many as there are); images
     compared with the one-device run's."""
@@ -287,6 +287,7 @@ def multi_gpu(args, kwargs: dict, png: bytes, save) -> dict:
 
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 3
     out: dict = {"gpus": gpus}
+    record["multi_gpu"] = out  # in the record from the start: save() after each layout keeps it
     size = args.sizes[0]
     jobs = {"t2i": (PROMPT, {"height": size, "width": size, "steps": args.steps, "seed": 1}, None),
             "edit": ("make it blue", {"mode": "edit", "steps": args.steps, "seed": 1}, png)}
@@ -491,7 +492,7 @@ def main() -> None:
         record["ours_served"] = served(args, kwargs, png)
         save()
     if "multi_gpu" in args.parts:
-        record["multi_gpu"] = multi_gpu(args, kwargs, png, save)
+        multi_gpu(args, kwargs, png, record, save)
         save()
     if "reference" in args.parts and args.reference:
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
