@@ -28,6 +28,7 @@ from mstar.models.base import (
     InvalidArgument,
     MissingAssets,
     Model,
+    ModelApi,
     NodeContext,
     NodeSubmodule,
     Output,
@@ -163,6 +164,14 @@ class Qwen3OmniModel(Model):
         c = self.config
         self.media = MediaDecoder(self.omni, d, c.max_audio_seconds, c.max_image_pixels, c.max_file_bytes,
                                   c.max_video_seconds)
+
+    def api(self) -> ModelApi:
+        """Chat takes audio, images and videos, and speaks (24 kHz PCM16: OpenAI's pcm16) in the checkpoint's voices."""
+        if not hasattr(self, "omni"):
+            self.prepare_conductor()
+        return ModelApi(chat_media=("audio", "image", "video"), chat_audio_output="audio",
+                        voices=tuple(sorted(self.omni.speakers)), default_voice=OmniRequest().voice,
+                        audio_formats=("wav", "pcm16"))
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
