@@ -333,4 +333,5 @@ def _api(a) -> cpb.ModelApi:
     return cpb.ModelApi(chat_media=list(a.chat_media), chat_kwargs_json=json.dumps(dict(a.chat_kwargs)) if a.chat_kwargs else "",
                         chat_audio_output=a.chat_audio_output, voices=list(a.voices), default_voice=a.default_voice,
                         audio_formats=list(a.audio_formats),
-                        edit_kwargs_json="" if a.edit_kwargs is None else json.dumps(dict(a.edit_kwargs)))
+                        edit_kwargs_json="" if a.edit_kwargs is None else json.dumps(dict(a.edit_kwargs)),
+                        speech_kwargs_json=json.dumps(dict(a.speech_kwargs)) if a.speech_kwargs else "")

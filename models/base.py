@@ -265,6 +265,8 @@ class ModelApi:
     audio_formats: tuple[str, ...] = ()
     #: model kwargs /v1/images/edits sends with the input image; None: the model does not edit images
     edit_kwargs: Mapping[str, Any] | None = None
+    #: model kwargs /v1/audio/speech sends with the input text (Qwen3-Omni: a read-aloud system prompt)
+    speech_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Model:

@@ -57,6 +57,10 @@ from mstar.models.knobs import KnobError
 from mstar.models.qwen3_omni.knobs import MAX_AUDIO_FRAMES, MAX_TEXT_TOKENS, OmniRequest, OmniServeConfig
 
 SAMPLE_RATE = 24_000
+#: /v1/audio/speech's system prompt: the Thinker repeats the input and the Talker speaks it (a TTS front
+#: on the model's own speech path; how faithfully it repeats is the checkpoint's doing)
+READ_ALOUD = ("You are a text-to-speech voice. Repeat the user's message exactly as written, word for word, "
+              "adding nothing and leaving nothing out.")
 WEIGHTS_HELP = ("put the snapshot in the HF cache or --cache-dir (models--Qwen--Qwen3-Omni-30B-A3B-Instruct/snapshots/..., "
                 "or <cache-dir>/Qwen/Qwen3-Omni-30B-A3B-Instruct), serve with --download, or with --random-weights "
                 "for a tiny random demo checkpoint")
@@ -171,7 +175,7 @@ class Qwen3OmniModel(Model):
             self.prepare_conductor()
         return ModelApi(chat_media=("audio", "image", "video"), chat_audio_output="audio",
                         voices=tuple(sorted(self.omni.speakers)), default_voice=OmniRequest().voice,
-                        audio_formats=("wav", "pcm16"))
+                        audio_formats=("wav", "pcm16"), speech_kwargs={"system": READ_ALOUD, "modalities": ["text", "audio"]})
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -147,7 +147,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., walks: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ..., node_groups: _Optional[_Iterable[str]] = ..., api: _Optional[_Union[ModelApi, _Mapping]] = ...) -> None: ...
 
 class ModelApi(_message.Message):
-    __slots__ = ("chat_media", "chat_kwargs_json", "chat_audio_output", "voices", "default_voice", "audio_formats", "edit_kwargs_json")
+    __slots__ = ("chat_media", "chat_kwargs_json", "chat_audio_output", "voices", "default_voice", "audio_formats", "edit_kwargs_json", "speech_kwargs_json")
     CHAT_MEDIA_FIELD_NUMBER: _ClassVar[int]
     CHAT_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     CHAT_AUDIO_OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class ModelApi(_message.Message):
     DEFAULT_VOICE_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FORMATS_FIELD_NUMBER: _ClassVar[int]
     EDIT_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     chat_media: _containers.RepeatedScalarFieldContainer[str]
     chat_kwargs_json: str
     chat_audio_output: str
@@ -162,7 +163,8 @@ class ModelApi(_message.Message):
     default_voice: str
     audio_formats: _containers.RepeatedScalarFieldContainer[str]
     edit_kwargs_json: str
-    def __init__(self, chat_media: _Optional[_Iterable[str]] = ..., chat_kwargs_json: _Optional[str] = ..., chat_audio_output: _Optional[str] = ..., voices: _Optional[_Iterable[str]] = ..., default_voice: _Optional[str] = ..., audio_formats: _Optional[_Iterable[str]] = ..., edit_kwargs_json: _Optional[str] = ...) -> None: ...
+    speech_kwargs_json: str
+    def __init__(self, chat_media: _Optional[_Iterable[str]] = ..., chat_kwargs_json: _Optional[str] = ..., chat_audio_output: _Optional[str] = ..., voices: _Optional[_Iterable[str]] = ..., default_voice: _Optional[str] = ..., audio_formats: _Optional[_Iterable[str]] = ..., edit_kwargs_json: _Optional[str] = ..., speech_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
