@@ -11,6 +11,7 @@ client that disconnects cancels its gRPC call at once, not at the next chunk wri
 from __future__ import annotations
 
 import asyncio
+import json
 
 from aiohttp import web
 
@@ -87,6 +88,15 @@ async def list_models(request: web.Request) -> web.Response:
 
 def api_json(a) -> dict:
     """ModelInfo.api as JSON: what chat may attach and answer with, whether the model edits images."""
-    return {"chat_media": list(a.chat_media), "chat_audio_output": a.chat_audio_output or None,
-            "voices": list(a.voices), "default_voice": a.default_voice or None, "audio_formats": list(a.audio_formats),
-            "image_edits": bool(a.edit_kwargs_json)}
+    return {"chat_media": list(a.chat_media), "chat_kwargs": _kwargs(a.chat_kwargs_json),
+            "chat_audio_output": a.chat_audio_output or None, "voices": list(a.voices),
+            "default_voice": a.default_voice or None, "audio_formats": list(a.audio_formats),
+            "edit_kwargs": _kwargs(a.edit_kwargs_json) if a.edit_kwargs_json else None}
+
+
+def _kwargs(raw: str) -> dict:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
