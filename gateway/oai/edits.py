@@ -43,8 +43,7 @@ async def _read_form(request: web.Request, max_bytes: int) -> tuple[dict, cpb.In
     if request.content_type != "multipart/form-data":
         raise ApiError(415, f"unsupported Content-Type '{request.content_type}'; send multipart/form-data with the "
                             "image as a file part", code="UNSUPPORTED_MEDIA_TYPE")
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise _too_large(max_bytes)
+    # no Content-Length check up front: reading part by part, the part that crosses the limit is named
     try:
         reader = await request.multipart()
     except (ValueError, AssertionError) as e:
