@@ -89,7 +89,7 @@ def _media(part: Mapping, ptype: str, where: str) -> MediaPart:
         raise InvalidArgument(f"{where}.{key}", f"{where}.{key}: must be an object")
     if ptype == "input_audio":
         fmt = body.get("format")
-        if fmt not in AUDIO_FORMATS:
+        if not isinstance(fmt, str) or fmt not in AUDIO_FORMATS:
             raise InvalidArgument(f"{where}.{key}.format", f"{where}.{key}.format: must be one of "
                                                            f"{', '.join(AUDIO_FORMATS)}, got {fmt!r}")
         for k in body:
@@ -116,6 +116,8 @@ def _content(content: object, where: str, media_ok: bool | None) -> tuple[str, l
             if not isinstance(part, Mapping):
                 raise InvalidArgument(at, f"{at}: a content part must be an object")
             ptype = part.get("type")
+            if not isinstance(ptype, str):
+                raise InvalidArgument(f"{at}.type", f"{at}.type: must be a string")
             if ptype in MEDIA_PARTS and media_ok is None:
                 raise InvalidArgument(f"{at}.type", f"{at}.type: only 'text' parts are supported here, got {ptype!r}")
             if ptype in MEDIA_PARTS:
