@@ -182,7 +182,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         m = self.model
         info = cpb.ModelInfo(name=m.name, walks=list(m.walks),
                              outputs=[f"{n}:{mod.name.lower()}" for n, mod in m.outputs.items()],
-                             node_groups=self.table.placement.config.group_names)
+                             node_groups=self.table.placement.config.group_names, api=_api(m.api()))
         return cpb.ListModelsResponse(models=[info])
 
 
@@ -326,3 +326,12 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _api(a) -> cpb.ModelApi:
+    """A model's ``ModelApi`` (models/base.py) on the wire."""
+    return cpb.ModelApi(chat_media=list(a.chat_media), chat_kwargs_json=json.dumps(dict(a.chat_kwargs)) if a.chat_kwargs else "",
+                        chat_audio_output=a.chat_audio_output, voices=list(a.voices), default_voice=a.default_voice,
+                        audio_formats=list(a.audio_formats),
+                        edit_kwargs_json="" if a.edit_kwargs is None else json.dumps(dict(a.edit_kwargs)),
+                        speech_kwargs_json=json.dumps(dict(a.speech_kwargs)) if a.speech_kwargs else "")

@@ -2,7 +2,7 @@
 
 Routes: ``POST /generate`` (generate.py), ``GET /health``, ``GET /v1/models``, ``GET /metrics``
 (Prometheus, metrics.py), the OpenAI-compatible ``POST /v1/chat/completions``,
-``/v1/audio/speech`` and ``/v1/images/generations`` (oai/), and ``GET /openapi.json``
+``/v1/audio/speech``, ``/v1/images/generations`` and ``/v1/images/edits`` (oai/), and ``GET /openapi.json``
 (openapi.py, the document describing all of them).
 Run it with ``handler_cancellation=True`` (server.py and aiohttp's TestServer do) so that a
 client that disconnects cancels its gRPC call at once, not at the next chunk written.
@@ -11,6 +11,7 @@ client that disconnects cancels its gRPC call at once, not at the next chunk wri
 from __future__ import annotations
 
 import asyncio
+import json
 
 from aiohttp import web
 
@@ -19,6 +20,7 @@ from mstar.gateway.errors import json_errors
 from mstar.gateway.generate import CLIENT, SETTINGS, UPLOADS, GatewaySettings, generate
 from mstar.gateway.metrics import http_metrics, metrics_handler
 from mstar.gateway.oai.chat import chat_completions
+from mstar.gateway.oai.edits import edit_images
 from mstar.gateway.oai.images import generate_images
 from mstar.gateway.oai.speech import speech
 from mstar.gateway.openapi import SPEC, build, openapi_handler
@@ -49,6 +51,7 @@ def create_app(conductor_address: str, *, max_upload_bytes: int = DEFAULT_MAX_UP
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/audio/speech", speech)
     app.router.add_post("/v1/images/generations", generate_images)
+    app.router.add_post("/v1/images/edits", edit_images)
     app.router.add_get("/openapi.json", openapi_handler)
     return app
 
@@ -79,5 +82,21 @@ async def health(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     models = await request.app[CLIENT].models()
     data = [{"id": m.name, "object": "model", "owned_by": "mstar", "walks": list(m.walks), "outputs": list(m.outputs),
-             "node_groups": list(m.node_groups)} for m in models.values()]
+             "node_groups": list(m.node_groups), "api": api_json(m.api)} for m in models.values()]
     return web.json_response({"object": "list", "data": data})
+
+
+def api_json(a) -> dict:
+    """ModelInfo.api as JSON: what chat may attach and answer with, whether the model edits images."""
+    return {"chat_media": list(a.chat_media), "chat_kwargs": _kwargs(a.chat_kwargs_json),
+            "chat_audio_output": a.chat_audio_output or None, "voices": list(a.voices),
+            "default_voice": a.default_voice or None, "audio_formats": list(a.audio_formats),
+            "edit_kwargs": _kwargs(a.edit_kwargs_json) if a.edit_kwargs_json else None}
+
+
+def _kwargs(raw: str) -> dict:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -103,12 +103,41 @@ def _schemas(max_timeout_s: float) -> dict:
     timings = _obj({"first_output_s": NUM, "total_s": NUM, "process_prompt_s": NUM},
                    ("first_output_s", "total_s", "process_prompt_s"))
     text_part = _obj({"type": {"const": "text"}, "text": STR}, ("type", "text"), closed=False)
+    data_url = {"type": "string", "pattern": "^data:", "description": "an inline data: URL "
+                "(data:<type>;base64,...); M* fetches no remote media"}
+    url_part = lambda kind: _obj({"type": {"const": f"{kind}_url"}, f"{kind}_url": _obj(  # noqa: E731
+        {"url": data_url, "detail": _or_null({"enum": ["auto", "low", "high"]})}, ("url",))}, ("type", f"{kind}_url"))
+    audio_part = _obj({"type": {"const": "input_audio"}, "input_audio": _obj(
+        {"data": {"type": "string", "contentEncoding": "base64"}, "format": {"enum": ["wav", "mp3"]}},
+        ("data", "format"))}, ("type", "input_audio"))
     message = _obj({
         "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"anyOf": [STR, {"type": "array", "items": text_part}, {"type": "null"}]},
+        "content": {"anyOf": [STR, {"type": "array", "items": {"anyOf": [text_part, url_part("image"), audio_part,
+                                                                        url_part("video")]}}, {"type": "null"}]},
         "name": _or_null(STR),
-    }, ("role",), doc="The last message must be a user message: its text is the prompt; earlier "
-                      "messages are checked, not sent (mstar/client/messages.py).")
+    }, ("role",), doc="The last message must be a user message: its text is the prompt and its media parts "
+                      "(image_url, input_audio, video_url: M*'s, shaped like image_url) its files, for the media "
+                      "kinds the model's api.chat_media lists; earlier messages are checked, not sent "
+                      "(mstar/client/messages.py).")
+    chat_audio = _obj({"id": STR, "data": {"type": "string", "contentEncoding": "base64"}, "expires_at": INT,
+                       "transcript": STR}, doc="modalities [text, audio]: the spoken answer (WAV, or PCM16 24 kHz mono) "
+                                              "and its transcript; M* keeps no audio, expires_at is the creation time")
+    model_api = _obj({
+        "chat_media": {"type": "array", "items": {"enum": ["image", "audio", "video"]}},
+        "chat_kwargs": {"type": "object"}, "chat_audio_output": _or_null(STR),
+        "voices": {"type": "array", "items": STR}, "default_voice": _or_null(STR),
+        "audio_formats": {"type": "array", "items": {"enum": ["wav", "pcm16"]}},
+        "edit_kwargs": _or_null({"type": "object"}),
+    }, ("chat_media", "chat_kwargs", "chat_audio_output", "voices", "default_voice", "audio_formats", "edit_kwargs"),
+        doc="What the OpenAI routes may send to and ask of the model (conductor.proto ModelApi)")
+    size = {"type": "string", "pattern": "^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$",
+            "description": "WIDTHxHEIGHT in pixels (model_kwargs width, height), or auto", "examples": ["1024x768"]}
+    image_knobs = {"size": _or_null(size), "n": _or_null({"type": "integer", "minimum": 1}),
+                   "seed": _or_null(INT), "steps": _or_null(INT), "guidance": _or_null(NUM),
+                   "response_format": _or_null({"const": "b64_json"}), "user": _or_null(STR),
+                   "quality": _or_null({"const": "auto"}), "background": _or_null({"const": "auto"}),
+                   "output_format": _or_null({"const": "png"}), "partial_images": _or_null({"const": 0}),
+                   "stream": _or_null({"const": False})}
     oai_usage = _obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT},
                      ("prompt_tokens", "completion_tokens", "total_tokens"))
     return {
@@ -158,8 +187,8 @@ def _schemas(max_timeout_s: float) -> dict:
             "id": STR, "object": {"const": "model"}, "owned_by": STR,
             "walks": {"type": "array", "items": STR},
             "outputs": {"type": "array", "items": STR, "description": "name:modality"},
-            "node_groups": {"type": "array", "items": STR},
-        }, ("id", "object", "owned_by", "walks", "outputs", "node_groups"))}}, ("object", "data")),
+            "node_groups": {"type": "array", "items": STR}, "api": model_api,
+        }, ("id", "object", "owned_by", "walks", "outputs", "node_groups", "api"))}}, ("object", "data")),
         "ChatCompletionRequest": _obj({
             "model": MODEL, "messages": {"type": "array", "minItems": 1, "items": message,
                                          "examples": [[{"role": "user", "content": "Hello"}]]},
@@ -176,7 +205,12 @@ def _schemas(max_timeout_s: float) -> dict:
             "parallel_tool_calls": _or_null(BOOL), "functions": _or_null({"type": "array", "maxItems": 0}),
             "function_call": _or_null({"const": "none"}),
             "response_format": _or_null(_obj({"type": {"const": "text"}}, ("type",))),
-            "modalities": _or_null({"type": "array", "prefixItems": [{"const": "text"}], "minItems": 1, "maxItems": 1}),
+            "modalities": _or_null({"type": "array", "items": {"enum": ["text", "audio"]}, "contains": {"const": "text"},
+                                    "minItems": 1, "maxItems": 2, "uniqueItems": True,
+                                    "description": '["text", "audio"]: a spoken answer too, for a model whose '
+                                                   "api.chat_audio_output is set; others: a 400"}),
+            "audio": _or_null(_obj({"voice": {"type": "string", "description": "one of the model's api.voices"},
+                                    "format": {"enum": ["wav", "pcm16"], "description": "streaming: pcm16"}})),
             "store": _or_null({"const": False}), "user": _or_null(STR), "safety_identifier": _or_null(STR),
             "metadata": _or_null({"type": "object"}), "service_tier": _or_null({"enum": ["auto", "default"]}),
         }, ("model", "messages"), doc="Knobs go to the model as model_kwargs (max_tokens/max_completion_tokens as "
@@ -187,8 +221,8 @@ def _schemas(max_timeout_s: float) -> dict:
             "system_fingerprint": {"type": "null"},
             "choices": {"type": "array", "items": _obj({
                 "index": INT, "logprobs": {"type": "null"}, "finish_reason": STR,
-                "message": _obj({"role": {"const": "assistant"}, "content": STR, "refusal": {"type": "null"}},
-                                ("role", "content")),
+                "message": _obj({"role": {"const": "assistant"}, "content": _or_null(STR), "refusal": {"type": "null"},
+                                 "audio": chat_audio}, ("role", "content")),
             }, ("index", "message", "finish_reason"))},
             "usage": oai_usage,
         }, ("id", "object", "created", "model", "choices", "usage")),
@@ -197,7 +231,10 @@ def _schemas(max_timeout_s: float) -> dict:
             "system_fingerprint": {"type": "null"}, "usage": _or_null(oai_usage),
             "choices": {"type": "array", "items": _obj({
                 "index": INT, "logprobs": {"type": "null"}, "finish_reason": _or_null(STR),
-                "delta": _obj({"role": {"const": "assistant"}, "content": STR}),
+                "delta": _obj({"role": {"const": "assistant"}, "content": _or_null(STR), "audio": _obj({
+                    "id": STR, "data": {"type": "string", "contentEncoding": "base64",
+                                        "description": "PCM16 24 kHz mono little-endian"},
+                    "transcript": STR, "expires_at": INT}, ("id",))}),
             }, ("index", "delta", "finish_reason"))},
         }, ("id", "object", "created", "model", "choices"),
             doc="One `data:` event of a streaming chat completion; the stream ends with `data: [DONE]`."),
@@ -220,10 +257,20 @@ def _schemas(max_timeout_s: float) -> dict:
                 ("input_tokens", "output_tokens", "total_tokens"))}, ("type", "usage")),
         ], "description": "One `data:` event of /v1/audio/speech with stream_format 'sse'."},
         "ImagesRequest": _obj({
+            "model": MODEL, "prompt": {"type": "string", "minLength": 1}, **image_knobs,
+            "model_kwargs": _or_null(KWARGS),
+        }, ("model", "prompt"), doc="Only for models with an image output; others are a 400 naming model. size -> "
+                                    "model_kwargs width/height, n (when not 1), seed, steps, guidance -> cfg_text; the "
+                                    "model checks their ranges (a 400 naming the parameter)."),
+        "ImagesEditForm": _obj({
             "model": MODEL, "prompt": {"type": "string", "minLength": 1},
-            "n": _or_null({"const": 1}), "response_format": _or_null({"const": "b64_json"}),
-            "stream": _or_null({"const": False}), "user": _or_null(STR), "model_kwargs": _or_null(KWARGS),
-        }, ("model", "prompt"), doc="Only for models with an image output; others are a 400 naming model."),
+            "image": {"type": "string", "format": "binary", "description": "PNG, JPEG or WebP"},
+            "image[]": {"type": "string", "format": "binary", "description": "the same as image (send one of them)"},
+            **image_knobs, "image_guidance": _or_null(NUM),
+            "model_kwargs": {"type": "string", "description": "a JSON object"},
+        }, ("model", "prompt"), doc="multipart/form-data; one image part is required (image or image[]). For models "
+                                    "whose api has edit_kwargs (BAGEL: the output keeps the input's size, so size must "
+                                    "be auto); numbers are form text. image_guidance -> cfg_img."),
         "ImagesResponse": _obj({"created": INT, "data": {"type": "array", "items": _obj(
             {"b64_json": {"type": "string", "contentEncoding": "base64"}}, ("b64_json",))}}, ("created", "data")),
     }
@@ -260,7 +307,8 @@ def build(settings: GatewaySettings) -> dict:
                                "responses": {"200": {"description": "the models", "content": {
                                    "application/json": {"schema": _ref("ModelList")}}}, **_errors("503", "504")}}},
         "/v1/chat/completions": {"post": {
-            "operationId": "createChatCompletion", "summary": "OpenAI chat completions (text output)",
+            "operationId": "createChatCompletion",
+            "summary": "OpenAI chat completions (text, and audio for models that declare it)",
             "requestBody": _json_body("ChatCompletionRequest"),
             "responses": {"200": {"description": "ChatCompletion, or ChatCompletionChunk events when streaming",
                                   "content": {"application/json": {"schema": _ref("ChatCompletion")},
@@ -280,6 +328,11 @@ def build(settings: GatewaySettings) -> dict:
             "operationId": "createImage", "summary": "OpenAI image generation (models with an image output)",
             "requestBody": _json_body("ImagesRequest"),
             "responses": {"200": {"description": "the images", "content": {
+                "application/json": {"schema": _ref("ImagesResponse")}}}, **_errors()}}},
+        "/v1/images/edits": {"post": {
+            "operationId": "createImageEdit", "summary": "OpenAI image editing (models whose api has edit_kwargs)",
+            "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _ref("ImagesEditForm")}}},
+            "responses": {"200": {"description": "the edited images", "content": {
                 "application/json": {"schema": _ref("ImagesResponse")}}}, **_errors()}}},
         "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
                              "responses": {"200": {"description": "text exposition format", "content": {

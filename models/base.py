@@ -3,6 +3,7 @@ NodeSubmodule (node-group side)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -246,6 +247,28 @@ class NodeContext:
     walks: frozenset[str] = frozenset()
 
 
+@dataclass(frozen=True)
+class ModelApi:
+    """What the OpenAI-compatible routes may send to and ask of a model beyond text in and its
+    outputs out (conductor.proto's ``ModelApi``; the conductor reports it in ListModels)."""
+
+    #: media kinds a chat message may attach ("image", "audio", "video"), each sent as a file
+    chat_media: tuple[str, ...] = ()
+    #: model kwargs every chat completion sends (BAGEL: {"mode": "understand"})
+    chat_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: the audio output chat answers carry with modalities ["text", "audio"] ("": text only); the
+    #: model then takes the model kwargs ``modalities`` (always sent) and ``voice``
+    chat_audio_output: str = ""
+    voices: tuple[str, ...] = ()
+    default_voice: str = ""
+    #: "wav", and "pcm16" only for 24 kHz PCM16 audio (what OpenAI's pcm16 means)
+    audio_formats: tuple[str, ...] = ()
+    #: model kwargs /v1/images/edits sends with the input image; None: the model does not edit images
+    edit_kwargs: Mapping[str, Any] | None = None
+    #: model kwargs /v1/audio/speech sends with the input text (Qwen3-Omni: a read-aloud system prompt)
+    speech_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
 class Model:
     """A composite model: graph, walks, and the per-request walk state machine."""
 
@@ -310,6 +333,11 @@ class Model:
 
     def prepare_conductor(self) -> None:
         """Load what the conductor side needs (tokenizers); called once at conductor start."""
+
+    def api(self) -> ModelApi:
+        """The model's OpenAI-facing surface (chat media, chat audio, image edits); called on the
+        conductor after ``prepare_conductor``. Default: text in, the outputs out, nothing more."""
+        return ModelApi()
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

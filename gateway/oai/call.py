@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
@@ -49,13 +49,20 @@ def outputs_of(info: cpb.ModelInfo, modality: str) -> list[str]:
     return [o.rpartition(":")[0] for o in info.outputs if o.rpartition(":")[2] == modality]
 
 
-async def served_output(request: web.Request, model: str, modality: str, route: str) -> str:
-    """The output this route reads: the one named like the modality, else the model's first of
-    that modality. 404 for an unknown model, 400 naming ``model`` when it has no such output."""
+async def model_info(request: web.Request, model: str) -> cpb.ModelInfo:
+    """The served model's info (its outputs, its ``api``); 404 naming ``model`` when not served."""
     info, served = await request.app[CLIENT].find_model(model)
     if info is None:
         raise ApiError(404, f"model: unknown model '{model}'. Served: {', '.join(served) or 'none'}",
                        code="NOT_FOUND", field="model")
+    return info
+
+
+async def served_output(request: web.Request, model: str, modality: str, route: str,
+                        info: cpb.ModelInfo | None = None) -> str:
+    """The output this route reads: the one named like the modality, else the model's first of
+    that modality. 404 for an unknown model, 400 naming ``model`` when it has no such output."""
+    info = info or await model_info(request, model)
     names = outputs_of(info, modality)
     if not names:
         raise bad_request("model", f"model: model '{model}' has no {modality} output (its outputs: "
@@ -94,11 +101,11 @@ class ConductorStream:
 
 @asynccontextmanager
 async def conductor_call(request: web.Request, model: str, text: str, params: Params,
-                         text_param: str) -> AsyncIterator[ConductorStream]:
+                         text_param: str, files: Sequence[cpb.InputFile] = ()) -> AsyncIterator[ConductorStream]:
     """Start the call; whatever ends the handler cancels it if still running (client gone,
     shutdown, error), so the conductor releases the request."""
     settings, client = request.app[SETTINGS], request.app[CLIENT]
-    req = cpb.GenerateRequest(model=model, text=text,
+    req = cpb.GenerateRequest(model=model, text=text, files=list(files),
                               model_kwargs_json=json.dumps(params.model_kwargs) if params.model_kwargs else "")
     call = client.generate(req, settings.request_timeout_s + DEADLINE_SLACK_S)
     try:
@@ -116,3 +123,16 @@ def error_event(e: ApiError) -> bytes:
 def to_api_error(e: Exception) -> ApiError:
     return e if isinstance(e, ApiError) else ApiError(500, "internal gateway error; the gateway log has the traceback",
                                                       code="INTERNAL")
+
+
+def api_kwargs(raw: str, what: str) -> dict:
+    """A ModelApi ``*_kwargs_json`` field as a dict (empty: none); a malformed one is the conductor's fault."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ApiError(500, f"the conductor reported malformed {what} for this model", code="INTERNAL")
+    return value

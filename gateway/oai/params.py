@@ -43,6 +43,10 @@ class Params:
         #: model kwarg -> the OpenAI parameter it came from (to name it in the conductor's errors)
         self.param_of: dict[str, str] = {}
         self.model_kwargs: dict = {}
+        #: the request field each GenerateRequest file came from (a conductor error about ``files[i]``
+        #: names it), and the field for errors about the files as a whole
+        self.file_params: list[str] = []
+        self.files_param: str | None = None
 
     def take(self, name: str, kind: Kind, *, required: bool = False):
         value = self._body.pop(name, _MISSING)
@@ -86,6 +90,22 @@ class Params:
                                                          f"'{self.param_of[key]}'; give it once")
             self.model_kwargs[key] = value
 
+    def route_kwargs(self, kwargs: dict, who: str) -> None:
+        """Model kwargs the route itself sends (a model's ModelApi kwargs); the client may not set them."""
+        for key, value in kwargs.items():
+            if key in self.model_kwargs:
+                param = self.param_of.get(key, f"model_kwargs.{key}")
+                raise bad_request(param, f"{param}: {who} sets the model kwarg '{key}' itself ({_short(value)}); "
+                                         "leave it out")
+            self.model_kwargs[key] = value
+
+    def set_kwarg(self, kwarg: str, value: object, param: str) -> None:
+        """A model kwarg the route derives from ``param``; the client's model_kwargs may not set it too."""
+        if kwarg in self.model_kwargs:
+            raise bad_request(f"model_kwargs.{kwarg}", f"model_kwargs.{kwarg}: also set by '{param}'; give it once")
+        self.model_kwargs[kwarg] = value
+        self.param_of[kwarg] = param
+
     def finish(self, known: dict[str, Known], route: str) -> None:
         """Refuse every parameter not taken. A known OpenAI parameter passes only with a value
         that changes nothing (``known[name][0](value)``), else its reason is the 400's message;
@@ -109,6 +129,10 @@ class Params:
             param = self.param_of[kwarg]
         elif field == "text":
             param = text_param
+        elif field.startswith("files[") and (i := _index(field)) is not None and i < len(self.file_params):
+            param = self.file_params[i]
+        elif field.startswith("files") and self.files_param is not None:
+            param = self.files_param
         else:
             return error
         return ApiError(error.status, f"{param}: model '{model}' rejected it: {error.message}", code=error.code,
@@ -118,3 +142,9 @@ class Params:
 def _short(value: object) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _index(field: str) -> int | None:
+    """``files[3].data`` -> 3."""
+    inside = field[len("files["):].split("]", 1)[0]
+    return int(inside) if inside.isdigit() else None

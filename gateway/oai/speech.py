@@ -5,7 +5,10 @@ model with an audio output (PCM16 mono chunks, each with its sample rate).
   out when absent, null or ``"default"``; a model without voices refuses any other: a 400
   naming ``voice``); the sampling knobs ``temperature``, ``top_p``, ``seed`` and
   ``max_tokens`` (M*'s extensions, as on chat completions) go to the model under the same
-  names; ``model_kwargs`` (M*'s extension) adds model-specific knobs.
+  names; ``model_kwargs`` (M*'s extension) adds model-specific knobs. A model's
+  ``api.speech_kwargs`` go along (Qwen3-Omni: a system prompt telling it to repeat the input,
+  so that its Talker speaks the input text: a TTS front on the model's own speech path; how
+  faithfully it repeats is the checkpoint's doing. Orpheus: none).
 - ``response_format``: ``wav`` (default) or ``pcm`` (raw PCM16 little-endian mono; the rate is
   in ``X-Sample-Rate-Hz``). mp3/opus/aac/flac are a 400.
 - ``stream_format``: ``audio`` (default: the bytes stream as the model makes them, the first ones
@@ -27,7 +30,16 @@ from aiohttp import web
 from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request
 from mstar.gateway.generate import SETTINGS
-from mstar.gateway.oai.call import conductor_call, error_event, openai_route, served_output, sse, to_api_error
+from mstar.gateway.oai.call import (
+    api_kwargs,
+    conductor_call,
+    error_event,
+    model_info,
+    openai_route,
+    served_output,
+    sse,
+    to_api_error,
+)
 from mstar.gateway.oai.params import INTEGER, NUMBER, STRING, Known, Params, exactly
 
 log = logging.getLogger("mstar.gateway")
@@ -77,7 +89,9 @@ def _no_audio(model: str, output: str) -> ApiError:
 @openai_route
 async def speech(request: web.Request) -> web.StreamResponse:
     params, model, text, fmt, stream_format = _parse(await read_json_object(request, request.app[SETTINGS].max_upload_bytes))
-    output = await served_output(request, model, "audio", ROUTE)
+    info = await model_info(request, model)
+    output = await served_output(request, model, "audio", ROUTE, info)
+    params.route_kwargs(api_kwargs(info.api.speech_kwargs_json, "speech kwargs"), f"speech with model '{model}'")
     async with conductor_call(request, model, text, params, "input") as call:
         first = await call.next()
         if first is None:

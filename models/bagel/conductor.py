@@ -20,8 +20,10 @@ def prepare(model, prompt: Prompt, kw: dict[str, Any]) -> RequestState:
     mode, cfg = kw["mode"], model.config()
     if mode == "text_to_image" and prompt.files:
         raise InvalidArgument("files", "text_to_image takes no image; send mode 'edit' or 'understand' with one")
-    if mode != "text_to_image" and len(prompt.files) != 1:
-        raise InvalidArgument("files", f"mode '{mode}' takes exactly one input image, got {len(prompt.files)}")
+    if mode == "edit" and len(prompt.files) != 1:
+        raise InvalidArgument("files", f"mode 'edit' takes exactly one input image, got {len(prompt.files)}")
+    if mode == "understand" and len(prompt.files) > 1:  # none: the text alone, as the reference's text-only turn
+        raise InvalidArgument("files", f"mode 'understand' takes at most one input image, got {len(prompt.files)}")
     if not prompt.text.strip():
         raise InvalidArgument("text", "the prompt is empty")
     data: dict[str, Any] = {"kw": kw, "at": 0, "images": 0, "ids": [], "sent": "",
@@ -44,11 +46,11 @@ def prepare(model, prompt: Prompt, kw: dict[str, Any]) -> RequestState:
             data["eps"] = draw_noise(data["seed"], 0, cfg.patch_latent_dim, data["eps_shape"])[0]
             context += (image.size[1] // cfg.latent_downsample) * (image.size[0] // cfg.latent_downsample) + 2
     h, w = (s // cfg.latent_downsample for s in data["size"])
-    if max(h, w) > cfg.max_latent_size:
+    if mode != "understand" and max(h, w) > cfg.max_latent_size:  # understanding generates no image
         raise InvalidArgument("files[0]" if prompt.files else "model_kwargs.height",
                               f"the image is {data['size'][1]}x{data['size'][0]}; this checkpoint generates at most "
                               f"{cfg.max_image_side} pixels a side")
-    data["blocks"] = plan(mode, kw["think"], kw["cfg_text"], kw["cfg_img"], prompt.text)
+    data["blocks"] = plan(mode, kw["think"], kw["cfg_text"], kw["cfg_img"], prompt.text, image=bool(prompt.files))
     text = len(model._tokenizer.encode(prompt.text, add_special_tokens=False).ids) + 2
     tail = kw["max_tokens"] if mode == "understand" else h * w + 2 + (kw["think_max_tokens"] + 64 if kw["think"] else 0)
     if text + context + tail > model.max_seq_len:

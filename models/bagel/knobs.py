@@ -63,6 +63,9 @@ def validate(kwargs: dict[str, Any], settings: Settings, has_image: bool, max_se
     mode = kw["mode"] or ("understand" if has_image else "text_to_image")
     kw.update({k: v for k, v in DEFAULTS[mode].items() if kw[k] is None}, mode=mode)
     for key in ("height", "width"):
+        if key in kwargs and mode != "text_to_image":  # never silently ignored
+            raise InvalidArgument(f"model_kwargs.{key}", f"mode '{mode}' keeps the input image's size (fitted to the "
+                                                         f"placement's vae_image); leave {key} out")
         if kw[key] > settings.max_side:
             raise InvalidArgument(f"model_kwargs.{key}", f"must be at most {settings.max_side} here, got {kw[key]}")
     if kw["n"] > settings.max_images:

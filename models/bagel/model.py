@@ -33,6 +33,7 @@ from mstar.models.base import (
     InvalidArgument,
     MissingAssets,
     Model,
+    ModelApi,
     NodeContext,
     NodeSubmodule,
     Output,
@@ -158,6 +159,10 @@ class BagelModel(Model):
 
         self._tokenizer = Tokenizer.from_file(str(self.checkpoint_dir() / "tokenizer.json"))
         self.config()
+
+    def api(self) -> ModelApi:
+        """Chat is understanding (of an attached image, or of the text alone); an image edit is mode edit."""
+        return ModelApi(chat_media=("image",), chat_kwargs={"mode": "understand"}, edit_kwargs={"mode": "edit"})
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ at one position) and goes into one or more contexts. A context no branch reads i
 
 - text-to-image: prompt -> main, cfg_img (cfg_text stays empty)
 - editing: VAE block, ViT block -> main, cfg_text; prompt -> main, cfg_img
-- understanding: ViT block, prompt -> main; then greedy decoding
+- understanding: ViT block (when there is an image), prompt -> main; then greedy decoding
 - think mode: a system prompt first (into every context for generation), then after the prompt a
   greedy decode of the plan, whose text is appended to main as its own text block (the decoded
   tokens' K/V are dropped first, as the reference decodes on a copy of the context)
@@ -40,11 +40,12 @@ class Block:
     text: str = ""  # for "text" blocks
 
 
-def plan(mode: str, think: bool, cfg_text: float, cfg_img: float, prompt: str) -> list[Block]:
-    """The blocks of one request, in order, ending with its output step."""
+def plan(mode: str, think: bool, cfg_text: float, cfg_img: float, prompt: str, image: bool = True) -> list[Block]:
+    """The blocks of one request, in order, ending with its output step (``image``: understanding has
+    an input image; without one it answers the text alone)."""
     if mode == "understand":
         blocks = [Block("text", (MAIN,), VLM_THINK)] if think else []
-        return [*blocks, Block("vit"), Block("text", (MAIN,), prompt), Block("decode")]
+        return [*blocks, *([Block("vit")] if image else []), Block("text", (MAIN,), prompt), Block("decode")]
     keep = {MAIN, *((CFG_TEXT,) if cfg_text > 1.0 else ()), *((CFG_IMG,) if cfg_img > 1.0 else ())}
 
     def into(*labels: str) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from mstar.models.base import (
     InvalidArgument,
     MissingAssets,
     Model,
+    ModelApi,
     NodeContext,
     NodeSubmodule,
     Output,
@@ -57,6 +58,10 @@ from mstar.models.qwen3_omni.knobs import MAX_AUDIO_FRAMES, MAX_TEXT_TOKENS, Omn
 from mstar.models.qwen3_omni.weights import RANDOM_MARKER
 
 SAMPLE_RATE = 24_000
+#: /v1/audio/speech's system prompt: the Thinker repeats the input and the Talker speaks it (a TTS front
+#: on the model's own speech path; how faithfully it repeats is the checkpoint's doing)
+READ_ALOUD = ("You are a text-to-speech voice. Repeat the user's message exactly as written, word for word, "
+              "adding nothing and leaving nothing out.")
 WEIGHTS_HELP = ("put the snapshot in the HF cache or --cache-dir (models--Qwen--Qwen3-Omni-30B-A3B-Instruct/snapshots/..., "
                 "or <cache-dir>/Qwen/Qwen3-Omni-30B-A3B-Instruct), serve with --download, or with --random-weights "
                 "for a tiny random demo checkpoint")
@@ -164,6 +169,14 @@ class Qwen3OmniModel(Model):
         c = self.config
         self.media = MediaDecoder(self.omni, d, c.max_audio_seconds, c.max_image_pixels, c.max_file_bytes,
                                   c.max_video_seconds)
+
+    def api(self) -> ModelApi:
+        """Chat takes audio, images and videos, and speaks (24 kHz PCM16: OpenAI's pcm16) in the checkpoint's voices."""
+        if not hasattr(self, "omni"):
+            self.prepare_conductor()
+        return ModelApi(chat_media=("audio", "image", "video"), chat_audio_output="audio",
+                        voices=tuple(sorted(self.omni.speakers)), default_voice=OmniRequest().voice,
+                        audio_formats=("wav", "pcm16"), speech_kwargs={"system": READ_ALOUD, "modalities": ["text", "audio"]})
 
     # -- conductor side ------------------------------------------------------------------
     def validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

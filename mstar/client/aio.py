@@ -18,14 +18,18 @@ from mstar.client.base import (
     DEFAULT_TIMEOUT_S,
     QUICK_TIMEOUT_S,
     StreamState,
-    chat_prompt,
+    chat_call,
     default_model,
+    edit_kwargs,
     first_image,
     images_of,
     make_params,
+    media_file,
+    model_of,
     parse_address,
     pick_output,
     speech_of,
+    split_kwargs,
     split_model,
 )
 from mstar.client.errors import Cancelled
@@ -163,11 +167,17 @@ class AsyncMStarClient:
         async with s:
             return await s.collect()
 
-    async def chat(self, *args, model: str | None = None, stream: bool = False,
+    async def chat(self, *args, model: str | None = None, stream: bool = False, images: Sequence[FileLike] | None = None,
+                   audios: Sequence[FileLike] | None = None, videos: Sequence[FileLike] | None = None,
+                   modalities: Sequence[str] | None = None, audio: Mapping[str, str] | None = None,
                    **kw) -> Result | AsyncGenerateStream:
         model, messages = split_model(args, model, "chat", "messages")
-        model = model or default_model(await self.models(), "chat")
-        return await self.generate(model, chat_prompt(messages), stream=stream, **kw)
+        models = await self.models()
+        info = model_of(models, model or default_model(models, "chat"))
+        call = chat_call(info, messages, {"images": images, "audios": audios, "videos": videos}, modalities, audio,
+                         stream, split_kwargs(kw))
+        return await self.generate(info.name, call.text, files=list(call.files) or None, stream=stream,
+                                   model_kwargs=call.model_kwargs, **kw)
 
     async def tts(self, *args, model: str | None = None, voice: str | None = None, output: str | None = None,
                   **kw) -> Speech:
@@ -187,6 +197,18 @@ class AsyncMStarClient:
         model = model or default_model(models, "generate_image")
         name = pick_output(models, model, Modality.IMAGE, output, "generate_image()")
         images = images_of(await self.generate(model, prompt, **kw), name)
+        return images if explicit else first_image(images, model)
+
+    async def edit_image(self, *args, image: FileLike, model: str | None = None, output: str | None = None,
+                         **kw) -> bytes | list[Image]:
+        explicit = len(args) == 2
+        model, prompt = split_model(args, model, "edit_image", "prompt")
+        models = await self.models()
+        model = model or default_model(models, "edit_image")
+        name = pick_output(models, model, Modality.IMAGE, output, "edit_image()")
+        kwargs = edit_kwargs(model_of(models, model), split_kwargs(kw))
+        result = await self.generate(model, prompt, files=[media_file("image", "image", image)], model_kwargs=kwargs, **kw)
+        images = images_of(result, name)
         return images if explicit else first_image(images, model)
 
     # -- robot models: as MStarClient's (mstar/client/robot.py) -------------------------------

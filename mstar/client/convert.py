@@ -9,7 +9,17 @@ from dataclasses import dataclass
 
 from mstar.client.errors import Internal, make_error
 from mstar.client.robot import ActParams
-from mstar.client.types import Chunk, Final, GenerateParams, Modality, ModelInfo, Tensor, Timings, Usage
+from mstar.client.types import (
+    Chunk,
+    Final,
+    GenerateParams,
+    Modality,
+    ModelApi,
+    ModelInfo,
+    Tensor,
+    Timings,
+    Usage,
+)
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import tensor_pb2
 
@@ -63,8 +73,21 @@ def message_from_proto(r: cpb.GenerateResponse) -> Message:
     return Message(r.request_id, tuple(chunk_from_proto(c) for c in r.chunks), final)
 
 
+def _kwargs(raw: str) -> dict:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise Internal(f"the server reported malformed model kwargs in a model's api: {raw[:100]!r}")
+    return value
+
+
 def model_from_proto(m: cpb.ModelInfo) -> ModelInfo:
-    return ModelInfo.parse(m.name, m.walks, m.outputs, m.node_groups)
+    a = m.api
+    api = ModelApi(tuple(a.chat_media), _kwargs(a.chat_kwargs_json), a.chat_audio_output, tuple(a.voices),
+                   a.default_voice, tuple(a.audio_formats), _kwargs(a.edit_kwargs_json) if a.edit_kwargs_json else None)
+    return ModelInfo.parse(m.name, m.walks, m.outputs, m.node_groups, api)
 
 
 # --- REST (the gateway's NDJSON lines, /v1/models) ----------------------------------------------
@@ -127,4 +150,10 @@ def message_from_line(line: bytes | str, request_id: str) -> Message:
 
 
 def model_from_json(m: dict) -> ModelInfo:
-    return ModelInfo.parse(m["id"], m.get("walks", ()), m.get("outputs", ()), m.get("node_groups", ()))
+    """A ``/v1/models`` entry (its ``api`` carries the chat / edit kwargs: the SDK sends them to /generate itself)."""
+    a = m.get("api") or {}
+    edit = a.get("edit_kwargs")
+    api = ModelApi(tuple(a.get("chat_media", ())), dict(a.get("chat_kwargs") or {}), a.get("chat_audio_output") or "",
+                   tuple(a.get("voices", ())), a.get("default_voice") or "", tuple(a.get("audio_formats", ())),
+                   dict(edit) if isinstance(edit, dict) else None)
+    return ModelInfo.parse(m["id"], m.get("walks", ()), m.get("outputs", ()), m.get("node_groups", ()), api)

@@ -21,14 +21,18 @@ from mstar.client.base import (
     DEFAULT_TIMEOUT_S,
     QUICK_TIMEOUT_S,
     StreamState,
-    chat_prompt,
+    chat_call,
     default_model,
+    edit_kwargs,
     first_image,
     images_of,
     make_params,
+    media_file,
+    model_of,
     parse_address,
     pick_output,
     speech_of,
+    split_kwargs,
     split_model,
 )
 from mstar.client.errors import Cancelled
@@ -166,13 +170,27 @@ class MStarClient:
         with s:
             return s.collect()
 
-    def chat(self, *args, model: str | None = None, stream: bool = False, **kw) -> Result | GenerateStream:
+    def chat(self, *args, model: str | None = None, stream: bool = False, images: Sequence[FileLike] | None = None,
+             audios: Sequence[FileLike] | None = None, videos: Sequence[FileLike] | None = None,
+             modalities: Sequence[str] | None = None, audio: Mapping[str, str] | None = None,
+             **kw) -> Result | GenerateStream:
         """``chat("What is the capital of France?").text``, ``chat(messages)`` or ``chat(model,
         messages)``: ``generate`` on the prompt that a string or OpenAI chat ``messages`` make (the
-        rule is in mstar.client.messages: the last message, a user message, is the prompt). Without
-        a model, the one the server serves (InvalidArgument listing them when it serves several)."""
+        rule is in mstar.client.messages: the last message, a user message, is the prompt; its
+        ``image_url`` / ``input_audio`` / ``video_url`` data: parts are sent as files). ``images``,
+        ``audios``, ``videos``: more inputs (paths, bytes or File), for the kinds the model's api
+        takes (BAGEL: images; Qwen3-Omni: all three). ``modalities=["text", "audio"]`` with
+        ``audio={"voice": "ethan"}``: a spoken answer too, for a model that declares chat audio
+        (``result.audio`` is its Speech; streamed, audio chunks come between the text ones). The
+        model's chat kwargs go along, as on /v1/chat/completions. Without a model, the one the
+        server serves (InvalidArgument listing them when it serves several)."""
         model, messages = split_model(args, model, "chat", "messages")
-        return self.generate(model or default_model(self.models(), "chat"), chat_prompt(messages), stream=stream, **kw)
+        models = self.models()
+        info = model_of(models, model or default_model(models, "chat"))
+        call = chat_call(info, messages, {"images": images, "audios": audios, "videos": videos}, modalities, audio,
+                         stream, split_kwargs(kw))
+        return self.generate(info.name, call.text, files=list(call.files) or None, stream=stream,
+                             model_kwargs=call.model_kwargs, **kw)
 
     def tts(self, *args, model: str | None = None, voice: str | None = None, output: str | None = None,
             **kw) -> Speech:
@@ -196,6 +214,23 @@ class MStarClient:
         model = model or default_model(models, "generate_image")
         name = pick_output(models, model, Modality.IMAGE, output, "generate_image()")
         images = images_of(self.generate(model, prompt, **kw), name)
+        return images if explicit else first_image(images, model)
+
+    def edit_image(self, *args, image: FileLike, model: str | None = None, output: str | None = None,
+                   **kw) -> bytes | list[Image]:
+        """``edit_image("make it blue", image="cat.png")`` -> the edited image's PNG bytes;
+        ``edit_image(model, prompt, image=...)`` -> every image as ``Image``. ``image``: a path, bytes or
+        File (PNG, JPEG, WebP). The model's edit kwargs go along (BAGEL: mode edit; its edits keep the
+        input's size); knobs as keywords (``seed=3, steps=30, cfg_text=4.0``). InvalidArgument (field
+        ``model``) for a model that does not edit images."""
+        explicit = len(args) == 2
+        model, prompt = split_model(args, model, "edit_image", "prompt")
+        models = self.models()
+        model = model or default_model(models, "edit_image")
+        name = pick_output(models, model, Modality.IMAGE, output, "edit_image()")
+        kwargs = edit_kwargs(model_of(models, model), split_kwargs(kw))
+        result = self.generate(model, prompt, files=[media_file("image", "image", image)], model_kwargs=kwargs, **kw)
+        images = images_of(result, name)
         return images if explicit else first_image(images, model)
 
     # -- robot models (mstar/client/robot.py) ------------------------------------------------

@@ -144,6 +144,14 @@ class Result:
         return next((o.text for o in outputs.values() if o.modality == Modality.TEXT), "")
 
     @property
+    def audio(self) -> Speech | None:
+        """The ``audio`` output (else the first audio output) as Speech; None without audio."""
+        outputs = self.outputs
+        out = outputs.get("audio") if "audio" in outputs and outputs["audio"].modality == Modality.AUDIO else next(
+            (o for o in outputs.values() if o.modality == Modality.AUDIO), None)
+        return Speech(out, self) if out is not None else None
+
+    @property
     def usage(self) -> Usage:
         return self.final.usage
 
@@ -216,15 +224,34 @@ class Image:
 
 
 @dataclass(frozen=True)
+class ModelApi:
+    """What chat may attach and answer with, and whether the model edits images (conductor.proto's ModelApi)."""
+
+    #: media kinds a chat may attach: "image", "audio", "video"
+    chat_media: tuple[str, ...] = ()
+    #: model kwargs every chat sends (BAGEL: {"mode": "understand"})
+    chat_kwargs: dict = field(default_factory=dict)
+    #: the audio output of a chat answer with modalities ["text", "audio"] ("": text only)
+    chat_audio_output: str = ""
+    voices: tuple[str, ...] = ()
+    default_voice: str = ""
+    audio_formats: tuple[str, ...] = ()
+    #: model kwargs an image edit sends; None: the model does not edit images
+    edit_kwargs: dict | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     walks: tuple[str, ...]
     #: output name -> modality, in the model's declaration order
     outputs: dict[str, Modality]
     node_groups: tuple[str, ...]
+    api: ModelApi = field(default_factory=ModelApi)
 
     @classmethod
-    def parse(cls, name: str, walks: Sequence[str], outputs: Sequence[str], node_groups: Sequence[str]) -> ModelInfo:
+    def parse(cls, name: str, walks: Sequence[str], outputs: Sequence[str], node_groups: Sequence[str],
+              api: ModelApi | None = None) -> ModelInfo:
         """``outputs`` as the wire has them: ``"name:modality"``."""
         parsed: dict[str, Modality] = {}
         for entry in outputs:
@@ -233,7 +260,7 @@ class ModelInfo:
                 parsed[out] = Modality(modality)
             except ValueError:
                 parsed[out] = Modality.UNSPECIFIED
-        return cls(name, tuple(walks), parsed, tuple(node_groups))
+        return cls(name, tuple(walks), parsed, tuple(node_groups), api or ModelApi())
 
     def outputs_of(self, modality: Modality) -> list[str]:
         return [n for n, m in self.outputs.items() if m == modality]

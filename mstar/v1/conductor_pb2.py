@@ -26,15 +26,15 @@ from mstar.v1 import node_group_pb2 as mstar_dot_v1_dot_node__group__pb2
 from mstar.v1 import tensor_pb2 as mstar_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mstar/v1/conductor.proto\x12\x08mstar.v1\x1a\x19mstar/v1/node_group.proto\x1a\x15mstar/v1/tensor.proto\"=\n\tInputFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontent_type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x94\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\"\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x13.mstar.v1.InputFile\x12\x19\n\x11model_kwargs_json\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\xdf\x01\n\x0bOutputChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x08modality\x18\x02 \x01(\x0e\x32\x12.mstar.v1.Modality\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12 \n\x06tensor\x18\x05 \x01(\x0b\x32\x10.mstar.v1.Tensor\x12\x11\n\tmime_type\x18\x06 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x07 \x01(\r\x12\r\n\x05index\x18\x08 \x01(\r\x12\x11\n\telapsed_s\x18\t \x01(\x01\x12\x11\n\ttoken_ids\x18\n \x03(\x03\"_\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\r\n\x05walks\x18\x03 \x01(\r\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\"L\n\x07Timings\x12\x16\n\x0e\x66irst_output_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12\x18\n\x10process_prompt_s\x18\x03 \x01(\x01\"g\n\nFinalEvent\x12\x1e\n\x05usage\x18\x01 \x01(\x0b\x32\x0f.mstar.v1.Usage\x12\"\n\x07timings\x18\x02 \x01(\x0b\x32\x11.mstar.v1.Timings\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"r\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x15.mstar.v1.OutputChunk\x12#\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x14.mstar.v1.FinalEvent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"N\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05walks\x18\x02 \x03(\t\x12\x0f\n\x07outputs\x18\x03 \x03(\t\x12\x13\n\x0bnode_groups\x18\x04 \x03(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.mstar.v1.ModelInfo\"<\n\x0b\x43\x61meraImage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tmime_type\x18\x03 \x01(\t\"\xa2\x01\n\nActRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12%\n\x06images\x18\x03 \x03(\x0b\x32\x15.mstar.v1.CameraImage\x12\r\n\x05state\x18\x04 \x03(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x42\x07\n\x05_seed\"\x88\x01\n\x0b\x41\x63tResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x10.mstar.v1.Tensor\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.mstar.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.mstar.v1.Timings\"<\n\x0bJoinRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05leave\x18\x03 \x01(\x08\" \n\x0cJoinResponse\x12\x10\n\x08replicas\x18\x01 \x03(\t*\x89\x01\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_IMAGE\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x12\x13\n\x0fMODALITY_ACTION\x10\x04\x12\x13\n\x0fMODALITY_LATENT\x10\x05\x32\x8a\x02\n\tConductor\x12\x43\n\x08Generate\x12\x19.mstar.v1.GenerateRequest\x1a\x1a.mstar.v1.GenerateResponse0\x01\x12\x32\n\x03\x41\x63t\x12\x14.mstar.v1.ActRequest\x1a\x15.mstar.v1.ActResponse\x12;\n\x06\x43\x61ncel\x12\x17.mstar.v1.CancelRequest\x1a\x18.mstar.v1.CancelResponse\x12G\n\nListModels\x12\x1b.mstar.v1.ListModelsRequest\x1a\x1c.mstar.v1.ListModelsResponse2v\n\nWalkEvents\x12\x31\n\x06Report\x12\x14.mstar.v1.FrameBatch\x1a\r.mstar.v1.Ack(\x01\x30\x01\x12\x35\n\x04Join\x12\x15.mstar.v1.JoinRequest\x1a\x16.mstar.v1.JoinResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mstar/v1/conductor.proto\x12\x08mstar.v1\x1a\x19mstar/v1/node_group.proto\x1a\x15mstar/v1/tensor.proto\"=\n\tInputFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontent_type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x94\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\"\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x13.mstar.v1.InputFile\x12\x19\n\x11model_kwargs_json\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\xdf\x01\n\x0bOutputChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x08modality\x18\x02 \x01(\x0e\x32\x12.mstar.v1.Modality\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12 \n\x06tensor\x18\x05 \x01(\x0b\x32\x10.mstar.v1.Tensor\x12\x11\n\tmime_type\x18\x06 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x07 \x01(\r\x12\r\n\x05index\x18\x08 \x01(\r\x12\x11\n\telapsed_s\x18\t \x01(\x01\x12\x11\n\ttoken_ids\x18\n \x03(\x03\"_\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\r\n\x05walks\x18\x03 \x01(\r\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\"L\n\x07Timings\x12\x16\n\x0e\x66irst_output_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12\x18\n\x10process_prompt_s\x18\x03 \x01(\x01\"g\n\nFinalEvent\x12\x1e\n\x05usage\x18\x01 \x01(\x0b\x32\x0f.mstar.v1.Usage\x12\"\n\x07timings\x18\x02 \x01(\x0b\x32\x11.mstar.v1.Timings\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"r\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x15.mstar.v1.OutputChunk\x12#\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x14.mstar.v1.FinalEvent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05walks\x18\x02 \x03(\t\x12\x0f\n\x07outputs\x18\x03 \x03(\t\x12\x13\n\x0bnode_groups\x18\x04 \x03(\t\x12\x1f\n\x03\x61pi\x18\x05 \x01(\x0b\x32\x12.mstar.v1.ModelApi\"\xc7\x01\n\x08ModelApi\x12\x12\n\nchat_media\x18\x01 \x03(\t\x12\x18\n\x10\x63hat_kwargs_json\x18\x02 \x01(\t\x12\x19\n\x11\x63hat_audio_output\x18\x03 \x01(\t\x12\x0e\n\x06voices\x18\x04 \x03(\t\x12\x15\n\rdefault_voice\x18\x05 \x01(\t\x12\x15\n\raudio_formats\x18\x06 \x03(\t\x12\x18\n\x10\x65\x64it_kwargs_json\x18\x07 \x01(\t\x12\x1a\n\x12speech_kwargs_json\x18\x08 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.mstar.v1.ModelInfo\"<\n\x0b\x43\x61meraImage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tmime_type\x18\x03 \x01(\t\"\xa2\x01\n\nActRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12%\n\x06images\x18\x03 \x03(\x0b\x32\x15.mstar.v1.CameraImage\x12\r\n\x05state\x18\x04 \x03(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x42\x07\n\x05_seed\"\x88\x01\n\x0b\x41\x63tResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x10.mstar.v1.Tensor\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.mstar.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.mstar.v1.Timings\"<\n\x0bJoinRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05leave\x18\x03 \x01(\x08\" \n\x0cJoinResponse\x12\x10\n\x08replicas\x18\x01 \x03(\t*\x89\x01\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_IMAGE\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x12\x13\n\x0fMODALITY_ACTION\x10\x04\x12\x13\n\x0fMODALITY_LATENT\x10\x05\x32\x8a\x02\n\tConductor\x12\x43\n\x08Generate\x12\x19.mstar.v1.GenerateRequest\x1a\x1a.mstar.v1.GenerateResponse0\x01\x12\x32\n\x03\x41\x63t\x12\x14.mstar.v1.ActRequest\x1a\x15.mstar.v1.ActResponse\x12;\n\x06\x43\x61ncel\x12\x17.mstar.v1.CancelRequest\x1a\x18.mstar.v1.CancelResponse\x12G\n\nListModels\x12\x1b.mstar.v1.ListModelsRequest\x1a\x1c.mstar.v1.ListModelsResponse2v\n\nWalkEvents\x12\x31\n\x06Report\x12\x14.mstar.v1.FrameBatch\x1a\r.mstar.v1.Ack(\x01\x30\x01\x12\x35\n\x04Join\x12\x15.mstar.v1.JoinRequest\x1a\x16.mstar.v1.JoinResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mstar.v1.conductor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=1621
-  _globals['_MODALITY']._serialized_end=1758
+  _globals['_MODALITY']._serialized_start=1856
+  _globals['_MODALITY']._serialized_end=1993
   _globals['_INPUTFILE']._serialized_start=88
   _globals['_INPUTFILE']._serialized_end=149
   _globals['_GENERATEREQUEST']._serialized_start=152
@@ -56,21 +56,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=998
   _globals['_LISTMODELSREQUEST']._serialized_end=1017
   _globals['_MODELINFO']._serialized_start=1019
-  _globals['_MODELINFO']._serialized_end=1097
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1099
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1156
-  _globals['_CAMERAIMAGE']._serialized_start=1158
-  _globals['_CAMERAIMAGE']._serialized_end=1218
-  _globals['_ACTREQUEST']._serialized_start=1221
-  _globals['_ACTREQUEST']._serialized_end=1383
-  _globals['_ACTRESPONSE']._serialized_start=1386
-  _globals['_ACTRESPONSE']._serialized_end=1522
-  _globals['_JOINREQUEST']._serialized_start=1524
-  _globals['_JOINREQUEST']._serialized_end=1584
-  _globals['_JOINRESPONSE']._serialized_start=1586
-  _globals['_JOINRESPONSE']._serialized_end=1618
-  _globals['_CONDUCTOR']._serialized_start=1761
-  _globals['_CONDUCTOR']._serialized_end=2027
-  _globals['_WALKEVENTS']._serialized_start=2029
-  _globals['_WALKEVENTS']._serialized_end=2147
+  _globals['_MODELINFO']._serialized_end=1130
+  _globals['_MODELAPI']._serialized_start=1133
+  _globals['_MODELAPI']._serialized_end=1332
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1334
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1391
+  _globals['_CAMERAIMAGE']._serialized_start=1393
+  _globals['_CAMERAIMAGE']._serialized_end=1453
+  _globals['_ACTREQUEST']._serialized_start=1456
+  _globals['_ACTREQUEST']._serialized_end=1618
+  _globals['_ACTRESPONSE']._serialized_start=1621
+  _globals['_ACTRESPONSE']._serialized_end=1757
+  _globals['_JOINREQUEST']._serialized_start=1759
+  _globals['_JOINREQUEST']._serialized_end=1819
+  _globals['_JOINRESPONSE']._serialized_start=1821
+  _globals['_JOINRESPONSE']._serialized_end=1853
+  _globals['_CONDUCTOR']._serialized_start=1996
+  _globals['_CONDUCTOR']._serialized_end=2262
+  _globals['_WALKEVENTS']._serialized_start=2264
+  _globals['_WALKEVENTS']._serialized_end=2382
 # @@protoc_insertion_point(module_scope)

@@ -133,16 +133,38 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "walks", "outputs", "node_groups")
+    __slots__ = ("name", "walks", "outputs", "node_groups", "api")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WALKS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     NODE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
     name: str
     walks: _containers.RepeatedScalarFieldContainer[str]
     outputs: _containers.RepeatedScalarFieldContainer[str]
     node_groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., walks: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ..., node_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    api: ModelApi
+    def __init__(self, name: _Optional[str] = ..., walks: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ..., node_groups: _Optional[_Iterable[str]] = ..., api: _Optional[_Union[ModelApi, _Mapping]] = ...) -> None: ...
+
+class ModelApi(_message.Message):
+    __slots__ = ("chat_media", "chat_kwargs_json", "chat_audio_output", "voices", "default_voice", "audio_formats", "edit_kwargs_json", "speech_kwargs_json")
+    CHAT_MEDIA_FIELD_NUMBER: _ClassVar[int]
+    CHAT_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_AUDIO_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    VOICES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_VOICE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    EDIT_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    chat_media: _containers.RepeatedScalarFieldContainer[str]
+    chat_kwargs_json: str
+    chat_audio_output: str
+    voices: _containers.RepeatedScalarFieldContainer[str]
+    default_voice: str
+    audio_formats: _containers.RepeatedScalarFieldContainer[str]
+    edit_kwargs_json: str
+    speech_kwargs_json: str
+    def __init__(self, chat_media: _Optional[_Iterable[str]] = ..., chat_kwargs_json: _Optional[str] = ..., chat_audio_output: _Optional[str] = ..., voices: _Optional[_Iterable[str]] = ..., default_voice: _Optional[str] = ..., audio_formats: _Optional[_Iterable[str]] = ..., edit_kwargs_json: _Optional[str] = ..., speech_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -120,7 +120,15 @@ def test_chat_request_errors(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="toy", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}]}])
-    assert e.value.param == "messages[0].content[0].type"
+    assert e.value.param == "messages[0].content[0].image_url.url" and "fetches no remote media" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # an inline image, but the toy takes none
+        oai.chat.completions.create(model="toy", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+    assert e.value.param == "messages[0].content[0]" and "takes no image input" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # audio asked of a text-only model
+        oai.chat.completions.create(model="toy", messages=USER, modalities=["text", "audio"],
+                                    audio={"voice": "alloy", "format": "wav"})
+    assert e.value.param == "modalities" and "text only" in e.value.message
 
 
 # --- speech, images, models ---------------------------------------------------------------------

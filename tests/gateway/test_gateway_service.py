@@ -46,7 +46,9 @@ def test_models_openai_style():
     assert status == 200
     assert body == {"object": "list", "data": [{
         "id": "toy", "object": "model", "owned_by": "mstar", "walks": ["prompt", "decode"],
-        "outputs": ["text:text", "audio:audio", "latent:latent"], "node_groups": ["encoder", "decoder"]}]}
+        "outputs": ["text:text", "audio:audio", "latent:latent"], "node_groups": ["encoder", "decoder"],
+        "api": {"chat_media": [], "chat_kwargs": {}, "chat_audio_output": None, "voices": [], "default_voice": None,
+                "audio_formats": [], "edit_kwargs": None}}]}
 
 
 def test_models_when_the_conductor_is_down_is_503_json():
