@@ -15,6 +15,7 @@ import asyncio
 from aiohttp import web
 
 from mstar.gateway.client import ConductorClient
+from mstar.limits import MAX_REQUEST_BYTES
 from mstar.gateway.errors import json_errors
 from mstar.gateway.generate import CLIENT, SETTINGS, UPLOADS, GatewaySettings, generate
 from mstar.gateway.metrics import http_metrics, metrics_handler
@@ -24,7 +25,7 @@ from mstar.gateway.oai.speech import speech
 from mstar.gateway.openapi import SPEC, build, openapi_handler
 from mstar.gateway.uploads import UploadDir, UploadSettings
 
-DEFAULT_MAX_UPLOAD_BYTES = 32 << 20
+DEFAULT_MAX_UPLOAD_BYTES = MAX_REQUEST_BYTES
 #: set while the gateway drains: /health answers 503 so that load balancers stop sending before it closes
 DRAINING = web.AppKey("draining", asyncio.Event)
 
