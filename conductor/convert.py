@@ -27,7 +27,7 @@ def prompt_from_request(req: cpb.GenerateRequest) -> Prompt:
         try:
             kwargs = untrusted.loads(req.model_kwargs_json)
         except untrusted.Untrusted as e:
-            raise InvalidArgument("model_kwargs_json", str(e)) from None
+            raise InvalidArgument(f"model_kwargs.{e.path}" if e.path else "model_kwargs_json", str(e)) from None
         if not isinstance(kwargs, dict):
             raise InvalidArgument("model_kwargs_json", "must be a JSON object")
     files = [InputFile(f.name, f.content_type, f.data) for f in req.files]

@@ -15,7 +15,6 @@ import asyncio
 from aiohttp import web
 
 from mstar.gateway.client import ConductorClient
-from mstar.limits import MAX_REQUEST_BYTES
 from mstar.gateway.errors import json_errors
 from mstar.gateway.generate import CLIENT, SETTINGS, UPLOADS, GatewaySettings, generate
 from mstar.gateway.metrics import http_metrics, metrics_handler
@@ -24,6 +23,7 @@ from mstar.gateway.oai.images import generate_images
 from mstar.gateway.oai.speech import speech
 from mstar.gateway.openapi import SPEC, build, openapi_handler
 from mstar.gateway.uploads import UploadDir, UploadSettings
+from mstar.limits import MAX_REQUEST_BYTES
 
 DEFAULT_MAX_UPLOAD_BYTES = MAX_REQUEST_BYTES
 #: set while the gateway drains: /health answers 503 so that load balancers stop sending before it closes

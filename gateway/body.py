@@ -78,8 +78,8 @@ def _from_json(raw: bytes, max_timeout_s: float) -> GenerateBody:
 def _json_object(raw: bytes) -> dict:
     try:
         values = untrusted.loads(raw)
-    except untrusted.Untrusted as e:
-        raise bad_request(None, f"malformed JSON body: {e}") from None
+    except untrusted.Untrusted as e:  # a value the JSON carries (NaN, a lone surrogate) is named by its path
+        raise (bad_request(e.path, f"{e.path}: {e}") if e.path else bad_request(None, f"malformed JSON body: {e}")) from None
     if not isinstance(values, dict):
         raise bad_request(None, f"the body must be a JSON object, got {json_type(values)}")
     return values
@@ -170,7 +170,8 @@ def _form_value(name: str, data: bytes) -> object:
         try:
             return untrusted.loads(text)
         except untrusted.Untrusted as e:
-            raise bad_request(name, f"model_kwargs: {e}") from None
+            where = f"model_kwargs.{e.path}" if e.path else "model_kwargs"
+            raise bad_request(where, f"{where}: {e}") from None
     if name == "stream":
         flag = text.strip().lower()
         if flag not in ("true", "false"):

@@ -24,34 +24,32 @@ REQUEST_ID_RULE = "1-128 characters among letters, digits and . _ : / + = @ ~ -"
 
 
 class Untrusted(ValueError):
-    """A client's value refused; the message says why (without the field's name)."""
+    """A client's value refused; the message says why (without the field's name). ``path``: where
+    in a JSON document (``temperature``, ``messages[0].content``); empty for the whole document."""
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
 
 
-def _refuse_constant(name: str) -> float:
-    raise Untrusted(f"{name} is not a number JSON allows; send a finite number")
+class _HugeInt:
+    """An integer literal too long to convert: kept as found, refused (naming where) after parsing."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise Untrusted(f"number {text[:40]} is out of range (it overflows a 64-bit float)")
-    return value
-
-
-def _bounded_int(text: str) -> int:
+def _bounded_int(text: str) -> int | _HugeInt:
     digits = len(text) - (text[0] == "-")
-    if digits > MAX_INT_DIGITS:
-        raise Untrusted(f"an integer of {digits} digits; at most {MAX_INT_DIGITS} are accepted")
-    return int(text)
+    return _HugeInt(digits) if digits > MAX_INT_DIGITS else int(text)
 
 
 def loads(raw: str | bytes) -> object:
-    """``json.loads`` for a client's document: an Untrusted error (never RecursionError,
-    a ValueError from a huge integer, NaN/Infinity, or a string that cannot be sent on as UTF-8)."""
+    """``json.loads`` for a client's document: an Untrusted error (never RecursionError, a
+    ValueError from a huge integer, a NaN/Infinity/overflowing number or a string that cannot be
+    sent on as UTF-8), naming where in the document the value is."""
     try:
-        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int)
-    except Untrusted:
-        raise
+        value = json.loads(raw, parse_int=_bounded_int)  # NaN, Infinity and 1e400 parse to floats: refused below
     except RecursionError:
         raise Untrusted(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     except UnicodeDecodeError as e:
@@ -62,22 +60,41 @@ def loads(raw: str | bytes) -> object:
     return value
 
 
-def check_value(value: object) -> None:
-    """Depth and strings of a parsed JSON value, without recursion."""
-    stack = [(value, 1)]
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def check_value(value: object, path: str = "") -> None:
+    """Depth, numbers and strings of a parsed JSON value, without recursion."""
+    stack = [(value, path, 1)]
     while stack:
-        v, depth = stack.pop()
+        v, where, depth = stack.pop()
         if isinstance(v, str):
-            check_text(v)
+            _check_text(v, where)
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise Untrusted(f"must be a finite number, got {v}", where)
+        elif isinstance(v, _HugeInt):
+            raise Untrusted(f"an integer of {v.digits} digits; at most {MAX_INT_DIGITS} are accepted", where)
         elif isinstance(v, dict | list):
             if depth > MAX_JSON_DEPTH:
-                raise Untrusted(f"nested deeper than {MAX_JSON_DEPTH} levels")
+                raise Untrusted(f"nested deeper than {MAX_JSON_DEPTH} levels", where)
             if isinstance(v, dict):
                 for k, item in v.items():
-                    check_text(k)
-                    stack.append((item, depth + 1))
+                    _check_text(k, _join(where, "<key>"))
+                    stack.append((item, _join(where, k), depth + 1))
             else:
-                stack.extend((item, depth + 1) for item in v)
+                stack.extend((item, _join(where, i), depth + 1) for i, item in enumerate(v))
+
+
+def _check_text(s: str, path: str) -> None:
+    try:
+        check_text(s)
+    except Untrusted as e:
+        e.path = path
+        raise
 
 
 def check_text(s: str) -> None:
