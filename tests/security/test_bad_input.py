@@ -185,14 +185,14 @@ def test_timeouts_past_the_limit_are_refused(stub, value):
     ('{"delay_ms": 1e999}', "model_kwargs.delay_ms"),
     ("{not json", "model_kwargs_json"),
     ("[1]", "model_kwargs_json"),
-])
+], ids=["surrogate", "100k deep", "50 deep", "huge int", "NaN", "overflow", "not JSON", "not an object"])
 def test_bad_model_kwargs_json_is_invalid_argument(stub, kwargs_json, field):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub[0], text="hi", model_kwargs_json=kwargs_json)
     assert invalid_field(e.value) == field
 
 
-@pytest.mark.parametrize("rid", ["a\r\nb", "a b", "x" * 129, "é"])
+@pytest.mark.parametrize("rid", ["a\r\nb", "a b", "x" * 129, "é"], ids=["CRLF", "space", "129 chars", "non-ASCII"])
 def test_bad_request_ids_are_invalid_argument(stub, rid):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub[0], text="hi", request_id=rid)
@@ -203,7 +203,7 @@ def test_bad_request_ids_are_invalid_argument(stub, rid):
     *((m, junk) for m in ("Generate", "Act", "Cancel", "ListModels")
       for junk in (b"\xff\xff\xff\xff", b"\x0a\x80")),  # a bad tag; a truncated length: no message parses them
     ("Generate", b"\x0a\x02\xff\xfe"),  # GenerateRequest.model (a string) that is not UTF-8
-])
+], ids=lambda v: v if isinstance(v, str) else v.hex())
 def test_invalid_protobuf_bytes_are_invalid_argument(stub, method, junk):
     """A raw channel sends bytes that are not the request message: INVALID_ARGUMENT, not UNKNOWN."""
     _, ch = stub
