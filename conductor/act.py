@@ -5,14 +5,17 @@ the ActRequest's, and where the model's action output becomes an ActResponse."""
 
 from __future__ import annotations
 
+import math
+
 from mstar.models.base import InputFile, InvalidArgument, Prompt
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import tensor_pb2
 
 
 def prompt_from_act(req: cpb.ActRequest) -> Prompt:
-    if req.timeout_s < 0:
-        raise InvalidArgument("timeout_s", "must be >= 0")
+    bad = next((i for i, x in enumerate(req.state) if not math.isfinite(x)), None)
+    if bad is not None:
+        raise InvalidArgument("model_kwargs.state", f"state[{bad}] is {req.state[bad]}; every value must be finite")
     files = [InputFile(img.name, img.mime_type, img.data) for img in req.images]
     # float32 on the wire: the model sees exactly those values (as Python floats)
     kwargs: dict = {"state": list(req.state)}

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import grpc
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from mstar import wire
+from mstar import untrusted, wire
 from mstar.models.base import InputFile, InvalidArgument, Output, Prompt
 from mstar.v1 import conductor_pb2 as cpb
 
@@ -27,13 +25,11 @@ def prompt_from_request(req: cpb.GenerateRequest) -> Prompt:
     kwargs: dict = {}
     if req.model_kwargs_json:
         try:
-            kwargs = json.loads(req.model_kwargs_json)
-        except json.JSONDecodeError as e:
-            raise InvalidArgument("model_kwargs_json", f"not valid JSON: {e}") from None
+            kwargs = untrusted.loads(req.model_kwargs_json)
+        except untrusted.Untrusted as e:
+            raise InvalidArgument(f"model_kwargs.{e.path}" if e.path else "model_kwargs_json", str(e)) from None
         if not isinstance(kwargs, dict):
             raise InvalidArgument("model_kwargs_json", "must be a JSON object")
-    if req.timeout_s < 0:
-        raise InvalidArgument("timeout_s", "must be >= 0")
     files = [InputFile(f.name, f.content_type, f.data) for f in req.files]
     return Prompt(req.text, files, kwargs)
 

@@ -15,15 +15,17 @@ from functools import partial
 
 import grpc
 
-from mstar import metrics
+from mstar import metrics, untrusted
 from mstar.conductor import act
 from mstar.conductor.convert import fill_chunk, invalid_argument_status, prompt_from_request
 from mstar.conductor.replicas import NoReplica, Replicas, parse_groups
 from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
 from mstar.config import Placement, load_config
+from mstar.limits import MAX_PUBLIC_MESSAGE_BYTES
 from mstar.models.base import InvalidArgument, Prompt, RequestState
 from mstar.models.graph import Modality
 from mstar.models.registry import create_model
+from mstar.services.grpc_checked import add_checked
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
 from mstar.services.transport.location import local_location
@@ -32,7 +34,9 @@ from mstar.v1 import conductor_pb2_grpc, node_group_pb2
 
 log = logging.getLogger("mstar.conductor")
 _MODALITY_NAMES = {m: m.name.lower() for m in Modality}  # metric labels (Enum.name is a slow property)
-PROMPT_WORKERS = 4  # threads reading (decoding) requests of a heavy_prompt model at once
+PROMPT_WORKERS = 4  # threads reading (decoding) requests of a heavy_prompt model, or large ones, at once
+#: a request of more bytes is read on a worker thread whatever the model (tokenising a long text)
+INLINE_READ_BYTES = 4096
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
@@ -46,7 +50,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
         async for resp in self._run(request.model, partial(prompt_from_request, request), request.request_id,
-                                    request.timeout_s, context):
+                                    request.timeout_s, context, size=request.ByteSize()):
             yield resp
 
     async def Act(self, request: cpb.ActRequest, context: grpc.aio.ServicerContext) -> cpb.ActResponse:
@@ -57,7 +61,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                                             "serve Act (a policy's call, e.g. pi05's); call Generate"))
         actions, last = None, cpb.GenerateResponse()
         async for resp in self._run(request.model, partial(act.prompt_from_act, request), request.request_id,
-                                    request.timeout_s, context, act.act_field):
+                                    request.timeout_s, context, act.act_field, request.ByteSize()):
             actions = next((c.tensor for c in resp.chunks if c.name == name), actions)
             last = resp  # read to the end: the request is released and counted before the reply
         if actions is None or not last.HasField("final"):
@@ -67,11 +71,33 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     def _read(self, make_prompt: Callable[[], Prompt]) -> tuple[Prompt, RequestState]:
         prompt = make_prompt()
+        limit = self.model.max_prompt_chars
+        if len(prompt.text) > limit:  # before the model tokenises it
+            raise InvalidArgument("text", f"at most {limit} characters (max_seq_len={self.model.max_seq_len} tokens) "
+                                          f"for model '{self.model.name}', got {len(prompt.text)}")
         prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
         return prompt, self.model.process_prompt(prompt)
 
+    def _check_ids(self, client_id: str, timeout_s: float) -> None:
+        """The request's own fields the conductor reads before the model does."""
+        try:
+            untrusted.check_request_id(client_id)
+        except untrusted.Untrusted as e:
+            raise InvalidArgument("request_id", str(e)) from None
+        try:  # the default timeout is also the largest a client may ask for (mstar serve --timeout)
+            untrusted.check_timeout(timeout_s, self.default_timeout_s)
+        except untrusted.Untrusted as e:
+            raise InvalidArgument("timeout_s", str(e)) from None
+
+    def _reading_pool(self, size: int) -> ThreadPoolExecutor | None:
+        """Where to read a request of ``size`` bytes: a heavy model's every request and any large one
+        go to worker threads, off the loop that routes every request; None: on the loop."""
+        if self.prompt_pool is None and size > INLINE_READ_BYTES:
+            self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "prompt")
+        return self.prompt_pool if self.model.heavy_prompt or size > INLINE_READ_BYTES else None
+
     async def _run(self, model: str, make_prompt: Callable[[], Prompt], client_id: str, timeout_s: float,
-                   context: grpc.aio.ServicerContext, field_name: Callable[[str], str] = str):
+                   context: grpc.aio.ServicerContext, field_name: Callable[[str], str] = str, size: int = 0):
         """One request from its fields to its last message: read (``make_prompt``, the model's
         validate_kwargs and process_prompt), admission, the walks, timeout, cancellation, metrics.
         Yields GenerateResponse messages; fails by aborting ``context``. ``field_name`` renames the
@@ -81,10 +107,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.metrics.rejected("NOT_FOUND")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{model}'. Served: {self.model.name}")
         try:
-            if self.prompt_pool is None:
+            self._check_ids(client_id, timeout_s)
+            pool = self._reading_pool(size)
+            if pool is None:
                 prompt, state = self._read(make_prompt)
             else:
-                prompt, state = await asyncio.get_running_loop().run_in_executor(self.prompt_pool, self._read, make_prompt)
+                prompt, state = await asyncio.get_running_loop().run_in_executor(pool, self._read, make_prompt)
         except InvalidArgument as e:
             self.metrics.rejected("INVALID_ARGUMENT")
             await context.abort_with_status(invalid_argument_status(field_name(e.field), e.description))
@@ -109,19 +137,20 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         except NoReplica as e:
             self.metrics.rejected("UNAVAILABLE")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        self.table.active[ar.request_id] = ar
-        self.by_client_id[rid] = ar
         timeout = timeout_s or self.default_timeout_s
         counts: dict[str, int] = {}
-        self.metrics.started.inc()
         clock = metrics.OutputClock(t0)
-        outcome = "CANCELLED"  # the client cancelled or went away, unless set below
-        # one timer for the whole request (not a wait_for task per event): at the deadline the
-        # request fails, which queues the Failure event the loop below ends on
-        deadline = asyncio.get_running_loop().call_later(
-            max(timeout - (time.perf_counter() - t0), 0), self.table.fail, ar, grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"request exceeded its timeout of {timeout:g} s")
-        try:
+        outcome: str | None = None  # a Failure's code, OK, or (None at the end) CANCELLED: the client went away
+        deadline: asyncio.TimerHandle | None = None
+        self.table.active[ar.request_id] = ar
+        self.by_client_id[rid] = ar
+        self.metrics.started.inc()
+        try:  # from here on every path releases the request (finally)
+            # one timer for the whole request (not a wait_for task per event): at the deadline the
+            # request fails, which queues the Failure event the loop below ends on
+            deadline = asyncio.get_running_loop().call_later(
+                max(timeout - (time.perf_counter() - t0), 0), self.table.fail, ar, grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request exceeded its timeout of {timeout:g} s")
             try:
                 self.table.start_walk(ar, self.model.next_walk(state, None))
             except Exception as e:  # a bug in the state machine: fails this request like any later one
@@ -160,13 +189,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             resp.final.CopyFrom(cpb.FinalEvent(usage=usage, timings=timings, finish_reason=state.finish_reason))
             yield resp
         except Exception:
-            if outcome == "CANCELLED":  # not a Failure event: a bug here or in the model's state machine
+            if outcome is None:  # not a Failure event (whose abort raises): a bug here or in the model's state machine
                 outcome = "UNKNOWN"
             raise
         finally:  # success, failure, timeout, cancel or client gone: everything is released
-            deadline.cancel()
-            if outcome != "OK":
-                self.metrics.failed(outcome, ar.audio_seconds)
+            if deadline is not None:
+                deadline.cancel()
+            if outcome != "OK":  # None: cancelled by the client going away (asyncio.CancelledError)
+                self.metrics.failed(outcome or "CANCELLED", ar.audio_seconds)
             self.table.release(ar)
             self.table.active.pop(ar.request_id, None)
             self.by_client_id.pop(rid, None)
@@ -228,8 +258,11 @@ class ConductorServer(ServerBase):
         super().__init__(address, names)
         self.table = table
         self.servicer = ConductorServicer(table, max_inflight, default_timeout_s)
-        conductor_pb2_grpc.add_ConductorServicer_to_server(self.servicer, self.server)
-        conductor_pb2_grpc.add_WalkEventsServicer_to_server(WalkEventsServicer(table), self.server)
+        # requests are untrusted input: unreadable bytes get INVALID_ARGUMENT, the public API reads no
+        # message over the clients' limit (services/grpc_checked.py, mstar/limits.py)
+        add_checked(conductor_pb2_grpc.add_ConductorServicer_to_server, self.servicer, self.server,
+                    MAX_PUBLIC_MESSAGE_BYTES)
+        add_checked(conductor_pb2_grpc.add_WalkEventsServicer_to_server, WalkEventsServicer(table), self.server)
 
     async def start(self) -> None:
         await self.set_serving(False)  # grpc's health servicer starts out SERVING

@@ -25,8 +25,9 @@ from mstar.gateway.oai.images import generate_images
 from mstar.gateway.oai.speech import speech
 from mstar.gateway.openapi import SPEC, build, openapi_handler
 from mstar.gateway.uploads import UploadDir, UploadSettings
+from mstar.limits import MAX_REQUEST_BYTES
 
-DEFAULT_MAX_UPLOAD_BYTES = 32 << 20
+DEFAULT_MAX_UPLOAD_BYTES = MAX_REQUEST_BYTES
 #: set while the gateway drains: /health answers 503 so that load balancers stop sending before it closes
 DRAINING = web.AppKey("draining", asyncio.Event)
 

@@ -6,7 +6,6 @@ and answered with an ApiError naming the field.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from aiohttp import BodyPartReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from mstar import untrusted
 from mstar.gateway.errors import ApiError, bad_request, too_large
 from mstar.gateway.uploads import RequestFiles
 
@@ -77,9 +77,9 @@ def _from_json(raw: bytes, max_timeout_s: float) -> GenerateBody:
 
 def _json_object(raw: bytes) -> dict:
     try:
-        values = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(None, f"malformed JSON body: {e}") from None
+        values = untrusted.loads(raw)
+    except untrusted.Untrusted as e:  # a value the JSON carries (NaN, a lone surrogate) is named by its path
+        raise (bad_request(e.path, f"{e.path}: {e}") if e.path else bad_request(None, f"malformed JSON body: {e}")) from None
     if not isinstance(values, dict):
         raise bad_request(None, f"the body must be a JSON object, got {json_type(values)}")
     return values
@@ -168,9 +168,10 @@ def _form_value(name: str, data: bytes) -> object:
         raise bad_request(name, f"{name}: not valid UTF-8") from None
     if name == "model_kwargs":
         try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise bad_request(name, f"model_kwargs: not valid JSON: {e}") from None
+            return untrusted.loads(text)
+        except untrusted.Untrusted as e:
+            where = f"model_kwargs.{e.path}" if e.path else "model_kwargs"
+            raise bad_request(where, f"{where}: {e}") from None
     if name == "stream":
         flag = text.strip().lower()
         if flag not in ("true", "false"):
@@ -196,6 +197,10 @@ def _validate(values: dict, max_timeout_s: float, files: tuple[Upload, ...] = ()
             raise bad_request(key, f"{key}: must be {json_type(kind())}, got {json_type(values[key])}")
     if not values["model"]:
         raise bad_request("model", "model: must not be empty")
+    try:  # it is answered in the X-Request-Id header
+        untrusted.check_request_id(values.get("request_id", ""))
+    except untrusted.Untrusted as e:
+        raise bad_request("request_id", f"request_id: {e}") from None
     timeout_s = values.get("timeout_s", 0.0)
     if "timeout_s" in values:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):

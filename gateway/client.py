@@ -9,13 +9,12 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mstar.limits import REQUEST_CHANNEL_OPTIONS
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
-MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *REQUEST_CHANNEL_OPTIONS,  # mstar/limits.py: what the conductor's public API reads
     # A restarted conductor is found again within seconds, not after gRPC's default 120 s backoff.
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.min_reconnect_backoff_ms", 250),

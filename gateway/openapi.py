@@ -276,6 +276,18 @@ def _schemas(max_timeout_s: float) -> dict:
     }
 
 
+#: a served model's id (``/v1/models``) is what the request routes take as ``model`` (stateful clients and
+#: fuzzers follow these: schemathesis's stateful phase)
+_MODEL_LINKS = {
+    f"{op}WithServedModel": {"operationId": op, "requestBody": {"model": "$response.body#/data/0/id", **body},
+                             "description": f"{op} with the first served model"}
+    for op, body in (("generate", {"text": "Hello"}),
+                     ("createChatCompletion", {"messages": [{"role": "user", "content": "Hello"}]}),
+                     ("createSpeech", {"input": "Hello", "voice": "tara"}),
+                     ("createImage", {"prompt": "Hello"}))
+}
+
+
 def build(settings: GatewaySettings) -> dict:
     paths = {
         "/generate": {"post": {
@@ -305,7 +317,8 @@ def build(settings: GatewaySettings) -> dict:
                                     "application/json": {"schema": _ref("Health")}}}}}},
         "/v1/models": {"get": {"operationId": "listModels", "summary": "Served models (OpenAI list shape)",
                                "responses": {"200": {"description": "the models", "content": {
-                                   "application/json": {"schema": _ref("ModelList")}}}, **_errors("503", "504")}}},
+                                   "application/json": {"schema": _ref("ModelList")}}, "links": _MODEL_LINKS},
+                                   **_errors("503", "504")}}},
         "/v1/chat/completions": {"post": {
             "operationId": "createChatCompletion",
             "summary": "OpenAI chat completions (text, and audio for models that declare it)",

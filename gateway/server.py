@@ -13,6 +13,7 @@ from aiohttp import web
 
 from mstar.gateway.app import DRAINING, create_app
 from mstar.gateway.uploads import UploadSettings
+from mstar.limits import MAX_REQUEST_BYTES
 
 log = logging.getLogger("mstar.gateway")
 
@@ -39,8 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "a load balancer polling it stops sending first (default 0)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    if args.max_upload_mb <= 0:
-        p.error("--max-upload-mb must be > 0")
+    if not 0 < args.max_upload_mb <= MAX_REQUEST_BYTES / 2**20:
+        p.error(f"--max-upload-mb must be > 0 and at most {MAX_REQUEST_BYTES / 2**20:g}: the conductor's public "
+                "API reads no larger request (mstar/limits.py)")
     if args.upload_spill_mb < 0 or args.upload_dir_max_mb <= 0:
         p.error("--upload-spill-mb must be >= 0 and --upload-dir-max-mb > 0")
     if args.request_timeout <= 0:

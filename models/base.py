@@ -281,6 +281,10 @@ class Model:
     #: the longest sequence (prompt + output tokens) a request may have: the placement YAML's
     #: max_seq_len, set by ``Placement``; models bound prompts by it and size their KV caches for it
     max_seq_len: int = 4096
+    #: the conductor refuses a prompt text longer than ``max_prompt_chars`` before the model reads it
+    #: (a request-sized cost bounded before it is paid: tokenising 30 MB took 43 s); by default
+    #: ``max_seq_len`` tokens of at most this many characters each, a bound no real prompt that fits nears
+    chars_per_token_bound: ClassVar[int] = 16
     #: validate_kwargs + process_prompt decode media or do other work that would stall the conductor's
     #: event loop (every request's routing) for milliseconds: run them on a worker thread. Light models
     #: (the toy's read costs ~9 us, a thread hop ~60 us) stay on the loop.
@@ -307,6 +311,12 @@ class Model:
                 if e.name in self.outputs:
                     raise GraphError(f"'{e.name}' goes both to the client and to EMIT_TO_CONDUCTOR; give the "
                                      f"conductor's value its own name (postprocess tells emits apart by name)")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text (characters) worth reading: a longer one cannot fit. A model whose
+        prompts have another bound (a fixed token budget) overrides it."""
+        return self.max_seq_len * self.chars_per_token_bound
 
     @property
     def node_names(self) -> list[str]:

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mstar.config import Placement, PlacementConfig
+from mstar.lifetime import die_with_parent
 from mstar.models import hub
 from mstar.models.registry import create_model
 from mstar.ports import PortInUse, free_port, taken_ports
@@ -181,13 +182,15 @@ class Mesh:
 
     def start(self) -> None:
         env = {**os.environ, **self.environment()}
+        preexec = die_with_parent()  # a SIGKILLed launcher takes its services with it (mstar/lifetime.py)
         self.check_ports()
         self._prefix_lock.acquire()
         try:
             for kind in ("node_group", "conductor", "gateway", "xds", "envoy"):
                 batch = [s for s in self.services if s.kind == kind]
                 for s in batch:
-                    s.proc = subprocess.Popen(s.argv, env={**env, **(s.env or {})}, stdin=subprocess.DEVNULL)
+                    s.proc = subprocess.Popen(s.argv, env={**env, **(s.env or {})}, stdin=subprocess.DEVNULL,
+                                              preexec_fn=preexec)
                 for s in batch:
                     self._wait_healthy(s)
         except BaseException:

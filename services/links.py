@@ -18,12 +18,13 @@ import grpc
 import torch
 
 from mstar import metrics
+from mstar.limits import MAX_FRAME_MESSAGE_BYTES
 from mstar.services.transport import LinkSender, Protocol
 from mstar.v1 import conductor_pb2, node_group_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 1 << 30
+MAX_MESSAGE_BYTES = MAX_FRAME_MESSAGE_BYTES
 #: a peer that stops answering (host down, network cut) breaks the stream within
 #: KEEPALIVE_S + KEEPALIVE_TIMEOUT_S instead of hanging until TCP gives up
 KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 2.0, 3.0

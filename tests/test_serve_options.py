@@ -61,7 +61,7 @@ def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch
     class FakeProc:
         returncode = 0
 
-        def __init__(self, argv, env, stdin):
+        def __init__(self, argv, env, stdin, preexec_fn=None):
             self.argv = argv
             started[argv[argv.index("--group") + 1] if "--group" in argv else argv[2]] = env
 

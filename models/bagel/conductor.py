@@ -13,6 +13,7 @@ from mstar.models.bagel.media import decode_rgb, to_uint8
 from mstar.models.bagel.requests import plan
 from mstar.models.base import Emit, InvalidArgument, Output, Prompt, RequestState
 from mstar.models.graph import Modality
+from mstar.models.tokens import encode_ids
 
 
 def prepare(model, prompt: Prompt, kw: dict[str, Any]) -> RequestState:
@@ -51,7 +52,7 @@ def prepare(model, prompt: Prompt, kw: dict[str, Any]) -> RequestState:
                               f"the image is {data['size'][1]}x{data['size'][0]}; this checkpoint generates at most "
                               f"{cfg.max_image_side} pixels a side")
     data["blocks"] = plan(mode, kw["think"], kw["cfg_text"], kw["cfg_img"], prompt.text, image=bool(prompt.files))
-    text = len(model._tokenizer.encode(prompt.text, add_special_tokens=False).ids) + 2
+    text = len(encode_ids(model._tokenizer, prompt.text, add_special_tokens=False)) + 2
     tail = kw["max_tokens"] if mode == "understand" else h * w + 2 + (kw["think_max_tokens"] + 64 if kw["think"] else 0)
     if text + context + tail > model.max_seq_len:
         raise InvalidArgument("text", f"the prompt ({text} tokens), the image ({context}) and what follows ({tail}) "

@@ -56,6 +56,7 @@ from mstar.models.orpheus.checkpoint import (
 from mstar.models.orpheus.knobs import MAX_DECODE_ITERS, OrpheusConfig, OrpheusRequest
 from mstar.models.orpheus.snac_weights import WEIGHT_FILE as SNAC_WEIGHT_FILE
 from mstar.models.orpheus.tokens import FINISH_STOP, build_prompt_ids, window_plan
+from mstar.models.tokens import encode_ids
 
 SAMPLE_RATE = 24_000
 WEIGHTS_HELP = ("put the Hugging Face snapshots in the HF cache or --cache-dir (layout models--org--name/snapshots/..., "
@@ -148,7 +149,7 @@ class OrpheusModel(Model):
             raise InvalidArgument("text", "must not be empty")
         if not hasattr(self, "_tokenizer"):
             self.prepare_conductor()
-        encode = lambda s: self._tokenizer.encode(s).ids  # noqa: E731
+        encode = lambda s: encode_ids(self._tokenizer, s)  # noqa: E731
         ids = build_prompt_ids(encode, prompt.text, prompt.kwargs["voice"])
         limit = self.max_seq_len - prompt.kwargs["max_tokens"]  # the placement YAML's max_seq_len
         if len(ids) > limit:

@@ -113,6 +113,13 @@ class Pi05Model(Model):
         write_demo_checkpoint(target)
         return [str(target)]
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Its prompt is cut to ``max_token_len`` tokens (as the references do): text far past that is
+        refused unread."""
+        cfg = getattr(self, "_cfg", None)
+        return super().max_prompt_chars if cfg is None else cfg.max_token_len * self.chars_per_token_bound
+
     def prepare_conductor(self) -> None:
         d = self.checkpoint_dir()
         self._cfg = self.config()

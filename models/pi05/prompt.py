@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mstar.models.tokens import encode_ids
+
 BINS = 256
 
 
@@ -41,7 +43,7 @@ class PromptTokenizer:
             if bos is None:
                 raise ValueError(f"{fast}: no <bos> token")
             self.bos_id = bos
-            self._encode = lambda s: tok.encode(s, add_special_tokens=False).ids
+            self._encode = lambda s: encode_ids(tok, s, add_special_tokens=False)
         elif spm.is_file():
             import sentencepiece
 

@@ -10,6 +10,7 @@ import torch
 from mstar.models.base import InvalidArgument, Prompt, RequestState
 from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.prompt import build_prompt, talker_prompt
+from mstar.models.tokens import encode_ids
 
 if TYPE_CHECKING:
     from mstar.models.qwen3_omni.model import Qwen3OmniModel
@@ -26,7 +27,7 @@ def build_request(model: Qwen3OmniModel, prompt: Prompt) -> RequestState:
     if speech and speaker is None:
         raise InvalidArgument("model_kwargs.voice", f"unknown voice {kw['voice']!r}; known: {', '.join(sorted(cfg.speakers))}")
     media = model.media.decode(prompt.files)
-    encode = lambda s: model.tokenizer.encode(s, add_special_tokens=False).ids  # noqa: E731
+    encode = lambda s: encode_ids(model.tokenizer, s, add_special_tokens=False)  # noqa: E731
     ids_list = build_prompt(encode, ids, model.media_tokens, prompt.text, kw["system"], media.audio_rows, media.image_rows,
                             media.video_rows)
     limit = model.max_seq_len - kw["max_tokens"]  # the placement YAML's max_seq_len

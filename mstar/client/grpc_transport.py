@@ -16,12 +16,11 @@ from mstar.client.convert import (
 from mstar.client.errors import MStarError, from_grpc
 from mstar.client.robot import ActParams
 from mstar.client.types import GenerateParams, Health, ModelInfo, Tensor
+from mstar.limits import REQUEST_CHANNEL_OPTIONS
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
-MAX_MESSAGE_BYTES = 1 << 30
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = REQUEST_CHANNEL_OPTIONS  # mstar/limits.py: what the conductor's public API reads
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 

@@ -19,6 +19,7 @@ from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
 from mstar.ports import free_port
 from mstar.services.engines.tensor_parallel import TPSpec
+from mstar.services.grpc_checked import add_checked
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.nodes import create_submodules
 from mstar.services.node_group.runtime import NodeGroupRuntime
@@ -54,7 +55,7 @@ class NodeGroupServer(ServerBase):
     def __init__(self, address: str, runtime: NodeGroupRuntime):
         super().__init__(address, [node_group_pb2.DESCRIPTOR.services_by_name["NodeGroup"].full_name])
         self.runtime = runtime
-        node_group_pb2_grpc.add_NodeGroupServicer_to_server(NodeGroupServicer(runtime), self.server)
+        add_checked(node_group_pb2_grpc.add_NodeGroupServicer_to_server, NodeGroupServicer(runtime), self.server)
         self._loop_task: asyncio.Task | None = None
 
     async def start(self) -> None:

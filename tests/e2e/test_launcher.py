@@ -53,6 +53,8 @@ class Served:
         out = {}
         for pid in open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read().split():
             cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+            if len(cmd) < 3:  # forked, not yet exec'd (the launcher's preexec_fn runs in between)
+                continue
             name = cmd[cmd.index("--group") + 1] if "--group" in cmd else cmd[2].rsplit(".", 1)[-1]
             out[name] = int(pid)
         return out
