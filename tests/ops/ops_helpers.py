@@ -66,9 +66,10 @@ class Launched:
         return stop_process(self.proc, timeout=30)
 
 
-def http(method: str, url: str, body=None, timeout: float = 20.0) -> tuple[int, bytes]:
+def http(method: str, url: str, body=None, timeout: float = 20.0, headers: dict | None = None) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
