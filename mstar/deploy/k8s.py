@@ -33,6 +33,7 @@ PREFIX = "mstar-"
 PART_OF = {"app.kubernetes.io/part-of": "mstar"}
 PLACEMENT_CM, TARGETS_CM = "mstar-placement", "mstar-xds-targets"
 TLS_SECRET, API_KEYS_SECRET = "mstar-tls", "mstar-api-keys"  # made by hand, never generated (deploy/README.md)
+IMAGE_UID = 10001  # the user deploy/Dockerfile runs as
 
 
 def _labels(s: ServiceSpec) -> dict:
@@ -74,14 +75,16 @@ def deployment(s: ServiceSpec, opts: Options) -> dict:
         volumes = [{"name": "targets", "configMap": {"name": TARGETS_CM}}]
     if s.tls:  # the mesh's certificate: kubectl create secret generic mstar-tls --from-file=DIR (deploy/README.md)
         container.setdefault("volumeMounts", []).append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-        volumes.append({"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o400}})
+        volumes.append({"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o440}})
     if s.api_keys:  # kubectl create secret generic mstar-api-keys --from-file=api-keys=FILE
         container.setdefault("volumeMounts", []).append(
             {"name": "api-keys", "mountPath": str(Path(API_KEYS_PATH).parent), "readOnly": True})
-        volumes.append({"name": "api-keys", "secret": {"secretName": API_KEYS_SECRET, "defaultMode": 0o400}})
+        volumes.append({"name": "api-keys", "secret": {"secretName": API_KEYS_SECRET, "defaultMode": 0o440}})
     if s.devices:
         container["resources"] = {"limits": {"nvidia.com/gpu": len(s.devices)}}
     pod: dict = {"containers": [container], "terminationGracePeriodSeconds": 30}
+    if s.tls or s.api_keys:  # the image's user (deploy/Dockerfile, uid 10001) reads the secrets through their group
+        pod["securityContext"] = {"fsGroup": IMAGE_UID}
     if volumes:
         pod["volumes"] = volumes
     spec: dict = {"replicas": s.replicas, "selector": {"matchLabels": {"app.kubernetes.io/name": s.name}},
