@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import grpc
 import torch
 
-from mstar.conductor.replicas import NoReplica, Replicas
 from mstar import tls as mtls
+from mstar.conductor.replicas import NoReplica, Replicas
 from mstar.config import Placement
 from mstar.models.base import Emit, Model, Output, RequestState, WalkSeed
 from mstar.models.graph import INPUT

@@ -43,7 +43,7 @@ PROMPT_WORKERS = 4  # threads reading (decoding) requests of a heavy_prompt mode
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     def __init__(self, table: RequestTable, max_inflight: int, default_timeout_s: float,
-                 api_keys: auth.ApiKeys = auth.ApiKeys(), per_key_max_inflight: int = 0):
+                 api_keys: auth.ApiKeys = auth.NO_KEYS, per_key_max_inflight: int = 0):
         self.table, self.max_inflight, self.default_timeout_s = table, max_inflight, default_timeout_s
         self.model = table.model
         self.by_client_id: dict[str, ActiveRequest] = {}  # client-visible request_id -> request
@@ -263,7 +263,7 @@ class ConductorServer(ServerBase):
 
     def __init__(self, address: str, table: RequestTable, max_inflight: int = 256, default_timeout_s: float = 300.0,
                  probe_interval_s: float = 1.0, *, internal_address: str = "127.0.0.1:0",
-                 tls: mtls.TLSSettings | None = None, api_keys: auth.ApiKeys = auth.ApiKeys(),
+                 tls: mtls.TLSSettings | None = None, api_keys: auth.ApiKeys = auth.NO_KEYS,
                  per_key_max_inflight: int = 0):
         self.probe_interval_s = probe_interval_s
         self._probe: asyncio.Task | None = None

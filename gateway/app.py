@@ -14,7 +14,7 @@ import asyncio
 
 from aiohttp import web
 
-from mstar.auth import ApiKeys
+from mstar.auth import NO_KEYS, ApiKeys
 from mstar.gateway.auth import API_KEYS, require_api_key
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.errors import json_errors
@@ -33,7 +33,7 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 
 def create_app(conductor_address: str, *, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                request_timeout_s: float = 300.0, uploads: UploadSettings | None = None,
-               api_keys: ApiKeys = ApiKeys()) -> web.Application:
+               api_keys: ApiKeys = NO_KEYS) -> web.Application:
     """``uploads``: spill large uploaded files to a folder (uploads.py); None keeps them in memory.
     ``api_keys``: required of callers (auth.py); none: the routes are open."""
     settings = GatewaySettings(conductor_address, max_upload_bytes, request_timeout_s)

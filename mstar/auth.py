@@ -74,6 +74,10 @@ class ApiKeys:
         return None if match is None else key_id(match.decode())
 
 
+#: no keys: the public surfaces are open
+NO_KEYS = ApiKeys()
+
+
 def _checked(key: str, where: str) -> str:
     if len(key) < MIN_KEY_CHARS or any(c.isspace() for c in key):
         raise ApiKeyError(f"{where}: an API key must be at least {MIN_KEY_CHARS} characters without spaces "

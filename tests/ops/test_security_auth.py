@@ -21,9 +21,8 @@ from ops_helpers import Launched, scrape
 
 from mstar import tls as mtls
 from mstar.v1 import conductor_pb2 as cpb
-from mstar.v1 import conductor_pb2_grpc
+from mstar.v1 import conductor_pb2_grpc, node_group_pb2_grpc
 from mstar.v1 import node_group_pb2 as pb
-from mstar.v1 import node_group_pb2_grpc
 from mstar.wire import fill_proto
 
 pytestmark = pytest.mark.e2e
@@ -316,3 +315,19 @@ def test_envoy_passes_keys_through_and_routes_only_the_public_api(mesh, envoy):
         code = grpc_code(lambda: events.Join(cpb.JoinRequest(group="decoder", address="127.0.0.1:9"), timeout=10))
         assert code == grpc.StatusCode.UNIMPLEMENTED
     assert http("GET", f"{envoy}/metrics")[0] == 404, "the gateway's metrics are not on the public port"
+
+
+def test_sdk_clients_send_their_key(mesh, monkeypatch):
+    from mstar.client import MStarClient, Unauthenticated
+
+    monkeypatch.delenv("MSTAR_API_KEY", raising=False)
+    for url in (mesh.url, f"grpc://{mesh.grpc}"):
+        with MStarClient(url, timeout=20, api_key=WRONG_KEY) as client, pytest.raises(Unauthenticated) as e:
+            client.generate("toy", TEXT)
+        assert e.value.status == 401 and e.value.code == "UNAUTHENTICATED", url
+        with MStarClient(url, timeout=20, api_key=KEY) as client:
+            assert client.generate("toy", TEXT).text == ROT13, url
+        monkeypatch.setenv("MSTAR_API_KEY", OTHER_KEY)  # the clients' fallback
+        with MStarClient(url, timeout=20) as client:
+            assert [m.name for m in client.models()] == ["toy"], url
+        monkeypatch.delenv("MSTAR_API_KEY")
