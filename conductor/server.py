@@ -233,6 +233,10 @@ class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
                                 f"Groups: {', '.join(reps.groups)}")
         if ":" not in request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: expected 'host:port', got '{request.address}'")
+        other = next((g for g, known in reps.groups.items() if g != request.group and request.address in known), None)
+        if other is not None:  # one address serves one group: a Join cannot relabel another group's replica
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: {request.address} is a replica of node "
+                                f"group '{other}', not '{request.group}'")
         if request.leave:
             reps.leave(request.group, request.address)
         else:

@@ -80,8 +80,10 @@ def test_join_rejects_bad_input(toy_config):
     async def main():
         async with inprocess_mesh(toy_config(), Protocol.TCP) as mesh, grpc.aio.insecure_channel(mesh.internal) as ch:
             stub = conductor_pb2_grpc.WalkEventsStub(ch)
+            encoder = mesh.conductor.table.replicas.serving("encoder")[0]
             for req, field in ((cpb.JoinRequest(group="nope", address="h:1"), "group"),
-                               (cpb.JoinRequest(group="decoder", address="nocolon"), "address")):
+                               (cpb.JoinRequest(group="decoder", address="nocolon"), "address"),
+                               (cpb.JoinRequest(group="decoder", address=encoder), "address")):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Join(req, timeout=5)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
