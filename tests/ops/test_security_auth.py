@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -259,26 +258,19 @@ def test_openai_client_sends_its_key(mesh):
 
 
 def test_a_key_has_a_concurrency_limit(mesh):
-    """--per-key-max-inflight 1: a key's second request in flight is refused (429 /
-    RESOURCE_EXHAUSTED); another key's is not."""
-    slow = {"model": "toy", "text": "slow", "model_kwargs": {"delay_ms": 400}}
-    first: list = []
-    t = threading.Thread(target=lambda: first.append(http("POST", f"{mesh.url}/generate", slow, KEY)))
-    t.start()
-    try:
-        deadline = time.monotonic() + 10
-        while True:  # until the slow request is admitted
-            status, err = http("POST", f"{mesh.url}/generate", {"model": "toy", "text": "x"}, KEY)
-            if status == 429 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+    """--per-key-max-inflight 1: while a key's request is in flight its next one is refused (429 /
+    RESOURCE_EXHAUSTED, REST and gRPC counted together); another key's is not."""
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        slow = conductor_pb2_grpc.ConductorStub(ch).Generate(
+            cpb.GenerateRequest(model="toy", text="slow", model_kwargs_json='{"delay_ms": 1000}'), timeout=30,
+            metadata=auth(KEY))
+        next(slow)  # admitted: its first output arrived, and it holds the key's one slot until its stream ends
+        status, err = http("POST", f"{mesh.url}/generate", {"model": "toy", "text": "x"}, KEY)
         assert status == 429 and err["error"]["code"] == "RESOURCE_EXHAUSTED" and "key-" in err["error"]["message"]
         assert KEY not in json.dumps(err), "the key itself is never echoed"
         assert grpc_code(lambda: grpc_generate(mesh.grpc, KEY, "y")) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert http("POST", f"{mesh.url}/generate", {"model": "toy", "text": "z"}, OTHER_KEY)[0] == 200
-    finally:
-        t.join(30)
-    assert first and first[0][0] == 200
+        assert list(slow)[-1].HasField("final")
     assert grpc_generate(mesh.grpc, KEY) == ROT13, "the slot is released when the request ends"
 
 
