@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mstar import metrics
+from mstar import tls as mtls
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ def parse_groups(data: dict) -> dict[str, list[str]]:
 
 
 class Replicas:
-    def __init__(self, groups: dict[str, list[str]], probe_timeout_s: float = 2.0, probe_failures: int = 3):
+    def __init__(self, groups: dict[str, list[str]], probe_timeout_s: float = 2.0, probe_failures: int = 3,
+                 tls: mtls.TLSSettings | None = None):
+        self.tls = tls  # health checks use the mesh's mutual TLS
         self.groups = {g: {a: Replica(g, a) for a in addrs} for g, addrs in groups.items()}
         self._tie = itertools.count()
         self.probe_timeout_s = probe_timeout_s
@@ -130,7 +133,7 @@ class Replicas:
     async def _check(self, address: str) -> bool:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = mtls.aio_channel(address, self.tls)
         try:
             resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
             return resp.status == health_pb2.HealthCheckResponse.SERVING

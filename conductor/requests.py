@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import grpc
 import torch
 
+from mstar import tls as mtls
 from mstar.conductor.replicas import NoReplica, Replicas
 from mstar.config import Placement
 from mstar.models.base import Emit, Model, Output, RequestState, WalkSeed
@@ -60,9 +61,10 @@ class ActiveRequest:
 class RequestTable:
     """All in-flight requests and their links to the node groups."""
 
-    def __init__(self, model: Model, placement: Placement, replicas: Replicas, protocol: Protocol):
+    def __init__(self, model: Model, placement: Placement, replicas: Replicas, protocol: Protocol,
+                 tls: mtls.TLSSettings | None = None):
         self.model, self.placement, self.replicas = model, placement, replicas
-        self.links = Links("conductor", protocol, self._on_link_down)
+        self.links = Links("conductor", protocol, self._on_link_down, tls=tls)
         self.active: dict[str, ActiveRequest] = {}
         self._inputs_of: dict[tuple[str, str], set[str]] = {}  # (walk, group) -> input names read there
         for walk, plan in model.plans.items():

@@ -1,4 +1,9 @@
-"""The conductor service: public Conductor API + internal WalkEvents."""
+"""The conductor service: the public Conductor API on one port, the internal WalkEvents on another.
+
+The public port (clients, the gateway, Envoy) serves ``Conductor``, health and reflection; with
+API keys every Conductor call needs ``authorization: Bearer <key>``. The internal port (node
+groups only) serves ``WalkEvents`` and health, with mutual TLS when the mesh has certificates.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from functools import partial
 
 import grpc
 
-from mstar import metrics, untrusted
+from mstar import auth, metrics, untrusted
+from mstar import tls as mtls
 from mstar.conductor import act
 from mstar.conductor.convert import fill_chunk, invalid_argument_status, prompt_from_request
 from mstar.conductor.replicas import NoReplica, Replicas, parse_groups
@@ -40,13 +46,29 @@ INLINE_READ_BYTES = 4096
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
-    def __init__(self, table: RequestTable, max_inflight: int, default_timeout_s: float):
+    def __init__(self, table: RequestTable, max_inflight: int, default_timeout_s: float,
+                 api_keys: auth.ApiKeys = auth.NO_KEYS, per_key_max_inflight: int = 0):
         self.table, self.max_inflight, self.default_timeout_s = table, max_inflight, default_timeout_s
         self.model = table.model
         self.by_client_id: dict[str, ActiveRequest] = {}  # client-visible request_id -> request
+        self.api_keys, self.key_limits = api_keys, auth.KeyLimiter(per_key_max_inflight)
+        self.owner: dict[str, str] = {}  # client-visible request_id -> key id that started it ("": no keys)
         self.metrics = metrics.RequestMetrics(self.model.name, lambda: len(table.active), max_inflight)
         # where a heavy model's process_prompt runs (video decoding): off the loop that routes every request
         self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "prompt") if self.model.heavy_prompt else None
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        """The calling key's id ("" when the API has no keys); a missing or unknown key aborts
+        the call UNAUTHENTICATED."""
+        if not self.api_keys.enabled:
+            return ""
+        token = auth.bearer(next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None))
+        kid = self.api_keys.identify(token)
+        if kid is None:
+            self.metrics.rejected("UNAUTHENTICATED")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key: send metadata "
+                                "'authorization: Bearer <key>'")
+        return kid
 
     async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
         async for resp in self._run(request.model, partial(prompt_from_request, request), request.request_id,
@@ -103,6 +125,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         Yields GenerateResponse messages; fails by aborting ``context``. ``field_name`` renames the
         field of an INVALID_ARGUMENT into the caller's request (Act's names)."""
         t0 = time.perf_counter()
+        kid = await self._caller(context)
         if model != self.model.name:
             self.metrics.rejected("NOT_FOUND")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{model}'. Served: {self.model.name}")
@@ -128,6 +151,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if rid in self.by_client_id:
             self.metrics.rejected("ALREADY_EXISTS")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: '{rid}' is already in flight")
+        if kid and not self.key_limits.acquire(kid):
+            self.metrics.rejected("RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"API key {kid} is at its limit of "
+                                f"{self.key_limits.limit} in-flight requests; retry later")
         process_s = time.perf_counter() - t0
         # the mesh sees a fresh id per request: node groups remember ended ids to drop late
         # frames, so a client may reuse its own id once the earlier request has ended
@@ -135,6 +162,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         try:
             self.table.pin(ar)
         except NoReplica as e:
+            if kid:
+                self.key_limits.release(kid)
             self.metrics.rejected("UNAVAILABLE")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         timeout = timeout_s or self.default_timeout_s
@@ -144,6 +173,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         deadline: asyncio.TimerHandle | None = None
         self.table.active[ar.request_id] = ar
         self.by_client_id[rid] = ar
+        self.owner[rid] = kid
         self.metrics.started.inc()
         try:  # from here on every path releases the request (finally)
             # one timer for the whole request (not a wait_for task per event): at the deadline the
@@ -200,15 +230,20 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.table.release(ar)
             self.table.active.pop(ar.request_id, None)
             self.by_client_id.pop(rid, None)
+            self.owner.pop(rid, None)
+            if kid:
+                self.key_limits.release(kid)
 
     async def Cancel(self, request: cpb.CancelRequest, context):
+        kid = await self._caller(context)
         ar = self.by_client_id.get(request.request_id)
-        if ar is None or ar.ended:
+        if ar is None or ar.ended or self.owner.get(request.request_id) != kid:  # another key's request: as unknown
             return cpb.CancelResponse(cancelled=False)
         self.table.fail(ar, grpc.StatusCode.CANCELLED, f"request '{request.request_id}' was cancelled")
         return cpb.CancelResponse(cancelled=True)
 
     async def ListModels(self, request, context):
+        await self._caller(context)
         m = self.model
         info = cpb.ModelInfo(name=m.name, walks=list(m.walks),
                              outputs=[f"{n}:{mod.name.lower()}" for n, mod in m.outputs.items()],
@@ -228,12 +263,19 @@ class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
                                 f"Groups: {', '.join(reps.groups)}")
         if ":" not in request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: expected 'host:port', got '{request.address}'")
+        other = next((g for g, known in reps.groups.items() if g != request.group and request.address in known), None)
+        if other is not None:  # one address serves one group: a Join cannot relabel another group's replica
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: {request.address} is a replica of node "
+                                f"group '{other}', not '{request.group}'")
         if request.leave:
             reps.leave(request.group, request.address)
         else:
             reps.join(request.group, request.address)
             self.table.connect(request.group, request.address)
         return cpb.JoinResponse(replicas=reps.serving(request.group))
+
+    async def CheckRoute(self, request: cpb.CheckRouteRequest, context) -> cpb.CheckRouteResponse:
+        return cpb.CheckRouteResponse(announced=request.address in self.table.replicas.groups.get(request.group, {}))
 
     async def Report(self, request_iterator, context):
         receiver = TensorReceiver()
@@ -249,23 +291,35 @@ class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
 
 
 class ConductorServer(ServerBase):
+    """The public server (``Conductor``; ``port``) and the internal one (``WalkEvents``;
+    ``internal.port``, mutual TLS with ``tls``) of one conductor. Node groups get the internal
+    address; clients, the gateway and Envoy the public one."""
+
     def __init__(self, address: str, table: RequestTable, max_inflight: int = 256, default_timeout_s: float = 300.0,
-                 probe_interval_s: float = 1.0):
+                 probe_interval_s: float = 1.0, *, internal_address: str = "127.0.0.1:0",
+                 tls: mtls.TLSSettings | None = None, api_keys: auth.ApiKeys = auth.NO_KEYS,
+                 per_key_max_inflight: int = 0):
         self.probe_interval_s = probe_interval_s
         self._probe: asyncio.Task | None = None
         self._ready: asyncio.Task | None = None
-        names = [cpb.DESCRIPTOR.services_by_name[s].full_name for s in ("Conductor", "WalkEvents")]
-        super().__init__(address, names)
+        super().__init__(address, [cpb.DESCRIPTOR.services_by_name["Conductor"].full_name])
+        self.internal = ServerBase(internal_address, [cpb.DESCRIPTOR.services_by_name["WalkEvents"].full_name], tls)
         self.table = table
-        self.servicer = ConductorServicer(table, max_inflight, default_timeout_s)
+        self.servicer = ConductorServicer(table, max_inflight, default_timeout_s, api_keys, per_key_max_inflight)
         # requests are untrusted input: unreadable bytes get INVALID_ARGUMENT, the public API reads no
         # message over the clients' limit (services/grpc_checked.py, mstar/limits.py)
         add_checked(conductor_pb2_grpc.add_ConductorServicer_to_server, self.servicer, self.server,
                     MAX_PUBLIC_MESSAGE_BYTES)
-        add_checked(conductor_pb2_grpc.add_WalkEventsServicer_to_server, WalkEventsServicer(table), self.server)
+        add_checked(conductor_pb2_grpc.add_WalkEventsServicer_to_server, WalkEventsServicer(table), self.internal.server)
+
+    @property
+    def internal_port(self) -> int:
+        return self.internal.port
 
     async def start(self) -> None:
         await self.set_serving(False)  # grpc's health servicer starts out SERVING
+        await self.internal.server.start()  # node groups join before the public API is ready
+        await self.internal.set_serving(True)
         await self.server.start()
         self.table.connect_all()
         loop = asyncio.get_running_loop()
@@ -290,7 +344,9 @@ class ConductorServer(ServerBase):
         deadline = loop.time() + grace_s
         while self.table.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        await self.internal.set_serving(False)
         await self.stop_server(min(1.0, max(0.0, deadline - loop.time())))
+        await self.internal.stop_server(min(1.0, max(0.0, deadline - loop.time())))
         for task in (self._probe, self._ready):
             if task is not None:
                 task.cancel()
@@ -308,7 +364,13 @@ def create_server(address: str, table: RequestTable, **kw) -> tuple[ConductorSer
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mstar-conductor", description="Serve the conductor of a placement config.")
     p.add_argument("--config", required=True)
-    p.add_argument("--address", default="127.0.0.1:0")
+    p.add_argument("--address", default="127.0.0.1:0", help="host:port of the public API (Conductor; clients, the "
+                   "gateway and Envoy)")
+    p.add_argument("--internal-address", default="127.0.0.1:0", help="host:port of the internal API (WalkEvents; "
+                   "node groups only: give them this as --conductor)")
+    p.add_argument("--tls-dir", default=None, help=mtls.TLS_DIR_HELP)
+    p.add_argument("--api-keys-file", default=None, help=auth.API_KEYS_HELP)
+    p.add_argument("--per-key-max-inflight", type=int, default=0, help=auth.PER_KEY_HELP)
     p.add_argument("--groups", required=True, help='JSON {"group": "host:port" or ["host:port", ...]}: the replicas of every '
                    "node group known at start (more may Join later)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health checks of node-group replicas")
@@ -322,6 +384,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    try:
+        tls = mtls.load(args.tls_dir)
+        mtls.check_binds(tls, {"--internal-address": args.internal_address}, "conductor")
+        api_keys = auth.ApiKeys.load(args.api_keys_file)
+    except ValueError as e:
+        log.error("%s", e)
+        raise SystemExit(2) from None
+    if not api_keys.enabled and not mtls.is_loopback(mtls.host_of(args.address)):
+        log.warning("conductor: the public API on %s has NO API KEYS: anyone who reaches it may run requests "
+                    "(--api-keys-file or MSTAR_API_KEYS)", args.address)
     config = load_config(args.config)
     model = create_model(config.model, config.model_kwargs, args.cache_dir)
     model.prepare_conductor()
@@ -335,13 +407,16 @@ async def serve(args: argparse.Namespace) -> None:
             log.warning("node group '%s' has no replica yet: requests fail UNAVAILABLE until one joins", g)
     protocol = parse_protocol(args.tensor_comm_protocol)
     configure_service(args.address, protocol)
-    table = RequestTable(model, placement, Replicas(groups), protocol)
+    table = RequestTable(model, placement, Replicas(groups, tls=tls), protocol, tls=tls)
     server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout,
-                                 probe_interval_s=args.probe_interval)
+                                 probe_interval_s=args.probe_interval, internal_address=args.internal_address, tls=tls,
+                                 api_keys=api_keys, per_key_max_inflight=args.per_key_max_inflight)
     if args.metrics_port is not None:
         log.info("conductor metrics on port %d", metrics.serve_metrics(args.address, args.metrics_port))
     await server.start()
-    log.info("conductor serving model '%s' on port %d", model.name, port)
+    log.info("conductor serving model '%s' on port %d (public: Conductor%s), internal port %d (WalkEvents, %s)",
+             model.name, port, ", API keys" if api_keys.enabled else ", no API keys", server.internal_port,
+             "mutual TLS" if tls else "plaintext")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,11 +4,12 @@
 #
 #   examples/curl.sh [GATEWAY_URL] [OUT_DIR]     (defaults: http://127.0.0.1:8000, a new temp dir)
 #
-# Start a mesh first: `mstar serve toy`.
+# Start a mesh first: `mstar serve toy`. A mesh with API keys: export MSTAR_API_KEY=<key> first.
 set -euo pipefail
 URL=${1:-http://127.0.0.1:8000}
 OUT=${2:-$(mktemp -d)}
 CURL=(curl -sS --fail-with-body --max-time 30)
+if [ -n "${MSTAR_API_KEY:-}" ]; then CURL+=(-H "Authorization: Bearer $MSTAR_API_KEY"); fi
 JSON=(-H 'content-type: application/json')
 
 echo "== GET /health"

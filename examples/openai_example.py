@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -20,7 +21,9 @@ def main() -> None:
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp())
     # M* needs no key; the client insists on one.
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key="unused", timeout=30, max_retries=0)
+    # a mesh with API keys (mstar serve --api-keys-file) needs one: $MSTAR_API_KEY; without keys any value works
+    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=os.environ.get("MSTAR_API_KEY", "unused"), timeout=30,
+                           max_retries=0)
 
     print("models:", ", ".join(m.id for m in client.models.list()))
 

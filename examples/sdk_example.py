@@ -1,6 +1,9 @@
 """The M* Python SDK against a running mesh (``mstar serve toy``), over REST or gRPC.
 
     python examples/sdk_example.py [--url http://127.0.0.1:8000 | grpc://127.0.0.1:50051] [--out DIR]
+
+A mesh with API keys needs one: ``MStarClient(url, api_key=KEY)``; without it the clients send
+$MSTAR_API_KEY when set.
 """
 
 from __future__ import annotations

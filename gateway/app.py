@@ -15,6 +15,8 @@ import json
 
 from aiohttp import web
 
+from mstar.auth import NO_KEYS, ApiKeys
+from mstar.gateway.auth import API_KEYS, require_api_key
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.errors import json_errors
 from mstar.gateway.generate import CLIENT, SETTINGS, UPLOADS, GatewaySettings, generate
@@ -33,10 +35,13 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 
 
 def create_app(conductor_address: str, *, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-               request_timeout_s: float = 300.0, uploads: UploadSettings | None = None) -> web.Application:
-    """``uploads``: spill large uploaded files to a folder (uploads.py); None keeps them in memory."""
+               request_timeout_s: float = 300.0, uploads: UploadSettings | None = None,
+               api_keys: ApiKeys = NO_KEYS) -> web.Application:
+    """``uploads``: spill large uploaded files to a folder (uploads.py); None keeps them in memory.
+    ``api_keys``: required of callers (auth.py); none: the routes are open."""
     settings = GatewaySettings(conductor_address, max_upload_bytes, request_timeout_s)
-    app = web.Application(client_max_size=max_upload_bytes, middlewares=[http_metrics, json_errors])
+    app = web.Application(client_max_size=max_upload_bytes, middlewares=[http_metrics, json_errors, require_api_key])
+    app[API_KEYS] = api_keys
     app[SETTINGS] = settings
     app[CLIENT] = ConductorClient(conductor_address)
     app[SPEC] = build(settings)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mstar.gateway.auth import CALLER_METADATA
 from mstar.limits import REQUEST_CHANNEL_OPTIONS
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
@@ -65,8 +66,8 @@ class ConductorClient:
         call keeps only the function, not the message (whose files may be large)."""
         if callable(request):
             assert self._generate_built is not None, "ConductorClient is not open"
-            return self._generate_built(request, timeout=deadline_s)
-        return self.stub.Generate(request, timeout=deadline_s)
+            return self._generate_built(request, timeout=deadline_s, metadata=CALLER_METADATA.get())
+        return self.stub.Generate(request, timeout=deadline_s, metadata=CALLER_METADATA.get())
 
     async def health_problem(self) -> str | None:
         """None when the conductor reports SERVING, else why not."""
@@ -85,7 +86,8 @@ class ConductorClient:
         max_age_s = self.models_ttl_s if max_age_s is None else max_age_s
         async with self._models_lock:  # concurrent misses share one ListModels call
             if time.monotonic() - self._models_at > max_age_s:
-                resp = await self.stub.ListModels(cpb.ListModelsRequest(), timeout=self.list_timeout_s)
+                resp = await self.stub.ListModels(cpb.ListModelsRequest(), timeout=self.list_timeout_s,
+                                                  metadata=CALLER_METADATA.get())
                 self._models = {m.name: m for m in resp.models}
                 self._models_at = time.monotonic()
             return self._models

@@ -21,6 +21,7 @@ log = logging.getLogger("mstar.gateway")
 
 HTTP_FOR_GRPC: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     # The conductor's answer to a duplicate in-flight request_id: the client's mistake, not ours.
     grpc.StatusCode.ALREADY_EXISTS: 409,

@@ -11,6 +11,7 @@ import signal
 import uvloop
 from aiohttp import web
 
+from mstar import auth
 from mstar.gateway.app import DRAINING, create_app
 from mstar.gateway.uploads import UploadSettings
 from mstar.limits import MAX_REQUEST_BYTES
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drain-delay", type=float, default=0.0,
                    help="seconds between SIGTERM and closing the port, answering /health with 503 meanwhile, so that "
                         "a load balancer polling it stops sending first (default 0)")
+    p.add_argument("--api-keys-file", metavar="PATH", help=auth.API_KEYS_HELP)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not 0 < args.max_upload_mb <= MAX_REQUEST_BYTES / 2**20:
@@ -66,8 +68,12 @@ def _write_port_file(path: str, port: int) -> None:
 async def serve(args: argparse.Namespace) -> None:
     uploads = None if args.upload_dir is None else UploadSettings(
         args.upload_dir, int(args.upload_spill_mb * 2**20), int(args.upload_dir_max_mb * 2**20))
+    api_keys = auth.ApiKeys.load(args.api_keys_file)
+    if not api_keys.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("gateway on %s has NO API KEYS: anyone who reaches it may run requests (--api-keys-file or "
+                    "MSTAR_API_KEYS)", args.host)
     app = create_app(args.conductor, max_upload_bytes=int(args.max_upload_mb * 2**20), request_timeout_s=args.request_timeout,
-                     uploads=uploads)
+                     uploads=uploads, api_keys=api_keys)
     # handler_cancellation: a client that disconnects cancels its handler, hence its gRPC call.
     # shutdown_timeout: aiohttp waits it twice for an in-flight handler (to finish, then to notice its
     # request was cancelled) before cancelling the handler; half the grace each keeps the total bounded.
@@ -100,6 +106,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
     try:
         uvloop.run(serve(args))  # as the other services (services/grpc_server.run_service)
+    except auth.ApiKeyError as e:
+        log.error("%s", e)
+        return 2
     except OSError as e:  # typically the port is taken
         log.error("gateway cannot serve on %s:%s: %s", args.host, args.port, e)
         return 1

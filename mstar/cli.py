@@ -71,6 +71,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mooncake-port", type=int, metavar="PORT",
                    help="Mooncake engines listen on PORT and up, two ports per node group and conductor (default: "
                         "each engine picks from 15000-17000)")
+    p.add_argument("--tls-dir", metavar="DIR|auto",
+                   help="mutual TLS for internal gRPC (node groups, the conductor's internal port): DIR holds ca.pem, "
+                        "cert.pem, key.pem (`mstar tls init DIR` makes them); 'auto': a throwaway CA for this mesh. "
+                        "Without it internal gRPC is plaintext and only loopback binds are allowed")
+    p.add_argument("--api-keys-file", metavar="PATH",
+                   help="API keys the gateway and the conductor's public API require (one per line; also "
+                        "MSTAR_API_KEYS, comma-separated); clients send 'Authorization: Bearer <key>'. Default: open")
+    p.add_argument("--per-key-max-inflight", type=int, default=0, metavar="N",
+                   help="most in-flight requests per API key (0: no limit); past it 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--tcp-transfer-device", metavar="IFACE|IP",
                    help="network interface (or IPv4 address) the node groups bind, so their tensor links and "
                         "Mooncake sessions use it (default: --host)")
@@ -106,6 +115,9 @@ def _serve_settings(args: argparse.Namespace) -> dict:
                   "address, or --tensor-comm-protocol RDMA", file=sys.stderr)
     if args.tcp_transfer_device is not None:
         out["transfer_address"] = transfer_address(args.tcp_transfer_device)
+    if args.per_key_max_inflight < 0:
+        raise ValueError(f"--per-key-max-inflight must be >= 0, got {args.per_key_max_inflight}")
+    out.update(tls_dir=args.tls_dir, api_keys_file=args.api_keys_file, per_key_max_inflight=args.per_key_max_inflight)
     return out
 
 
@@ -146,7 +158,23 @@ def main(argv=None) -> None:
     deploy_cli.add_parser(sub)
     check = sub.add_parser("check-config", help="validate a placement YAML against its model")
     check.add_argument("config")
+    tls_cmd = sub.add_parser("tls", help="certificates for mutual TLS between the mesh's services")
+    tls_sub = tls_cmd.add_subparsers(dest="tls_cmd", required=True)
+    init = tls_sub.add_parser("init", help="write a new CA and a mesh certificate (ca.pem, cert.pem, key.pem, "
+                                           "ca-key.pem) into DIR")
+    init.add_argument("dir")
+    init.add_argument("--host", action="append", default=[], help="another DNS name or IP the certificate names "
+                                                                   "(repeatable; every channel also accepts "
+                                                                   "'mstar.internal')")
+    init.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     args = p.parse_args(argv)
+    if args.cmd == "tls":
+        from mstar import tls as mtls
+
+        out = mtls.write_mesh_ca(args.dir, args.host, args.days)
+        print(f"mstar: wrote a CA and a mesh certificate to {out} (keep ca-key.pem and key.pem secret; give every "
+              f"service --tls-dir {out} without ca-key.pem)")
+        sys.exit(0)
     if args.cmd == "deploy":
         sys.exit(deploy_cli.main(args))
     if args.cmd == "models":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 
@@ -22,6 +22,8 @@ class Settings:
     nvtx: bool
     #: the launcher may download checkpoints missing from the local caches (as --download)
     download: bool
+    #: API keys of the public surfaces, comma-separated (mstar.auth; with --api-keys-file). Never logged.
+    api_keys: str = field(default="", repr=False)
 
 
 @lru_cache(maxsize=1)
@@ -33,6 +35,7 @@ def settings() -> Settings:
         round_budget_s=_seconds("MSTAR_ROUND_BUDGET_S", "0", allow_zero=True),
         nvtx=_flag("MSTAR_NVTX"),
         download=_flag("MSTAR_DOWNLOAD"),
+        api_keys=os.environ.get("MSTAR_API_KEYS", ""),
     )
 
 

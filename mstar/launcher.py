@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mstar import auth
+from mstar import tls as mtls
 from mstar.config import Placement, PlacementConfig
 from mstar.lifetime import die_with_parent
 from mstar.models import hub
@@ -54,6 +57,9 @@ class LaunchOptions:
     upload_dir_max_mb: float = 1024.0  # the most the gateway keeps in upload_dir at once
     mooncake_port: int | None = None  # first of the ports Mooncake engines listen on (None: Mooncake picks)
     transfer_address: str | None = None  # IPv4 the node groups bind, so tensors cross there (None: host)
+    tls_dir: str | None = None  # mesh CA + certificate for internal gRPC; "auto": a throwaway one; None: plaintext
+    api_keys_file: str | None = None  # API keys of the public surfaces (also MSTAR_API_KEYS)
+    per_key_max_inflight: int = 0  # in-flight requests per API key (0: no limit)
 
     def __post_init__(self):
         if not self.request_timeout_s > 0:
@@ -75,6 +81,8 @@ class Service:
     probe: Callable[[], bool] | None = None  # health check, when neither gRPC health nor GET /health
     env: dict[str, str] | None = None  # this service's additions to the mesh's environment
     mooncake_ports: tuple[int, int] | None = None  # (first, last) its Mooncake engine may listen on
+    tls: mtls.TLSSettings | None = None  # its gRPC port serves mutual TLS (health checks present the mesh's cert)
+    internal_address: str | None = None  # the conductor's internal (WalkEvents) port
 
     @property
     def host(self) -> str:
@@ -98,27 +106,38 @@ class Mesh:
         groups = {g.name: f"{th}:{free_port(th)}" for g in config.node_groups}
         grpc_port = opts.grpc_port or free_port(h)
         http_port = opts.port or free_port(h)
-        self.conductor_address = f"{h}:{grpc_port}"
+        self.conductor_address = f"{h}:{grpc_port}"  # public: Conductor (clients, gateway, Envoy)
+        self.internal_address = f"{h}:{free_port(h)}"  # internal: WalkEvents (node groups)
+        self.api_keys = auth.ApiKeys.load(opts.api_keys_file)  # checked here: a bad file stops the launch now
+        self._auto_tls: Path | None = None
+        self.tls_dir = self._tls_dir(opts.tls_dir, [h, th])
+        self.tls = mtls.load(self.tls_dir)
+        mtls.check_binds(self.tls, {**{f"node group '{g}'": a for g, a in groups.items()},
+                                    "conductor internal port": self.internal_address}, "mstar serve")
+        tls_args = ["--tls-dir", self.tls_dir] if self.tls_dir else []
+        key_args = ["--api-keys-file", opts.api_keys_file] if opts.api_keys_file else []
         self.url = f"http://{h}:{http_port}"
         py, cfg, lvl = sys.executable, str(opts.config_path), opts.log_level
         self.services: list[Service] = []
         for g in config.node_groups:
             device = "cpu" if opts.gpus is None else f"cuda:{opts.gpus[g.ranks[0]]}"
             argv = [py, "-m", "mstar.services.node_group", "--config", cfg, "--group", g.name,
-                    "--address", groups[g.name], "--peers", json.dumps(groups), "--conductor", self.conductor_address,
-                    "--tensor-comm-protocol", opts.protocol, "--device", device, "--log-level", lvl]
+                    "--address", groups[g.name], "--peers", json.dumps(groups), "--conductor", self.internal_address,
+                    "--tensor-comm-protocol", opts.protocol, "--device", device, "--log-level", lvl, *tls_args]
             if opts.cache_dir:
                 argv += ["--cache-dir", opts.cache_dir]
             if g.tp_size > 1 and opts.gpus is not None:  # the service starts ranks 1.. itself
                 argv += ["--tp-devices", ",".join(f"cuda:{opts.gpus[r]}" for r in g.ranks)]
-            self.services.append(Service(g.name, "node_group", groups[g.name], argv))
+            self.services.append(Service(g.name, "node_group", groups[g.name], argv, tls=self.tls))
         self.services.append(Service("conductor", "conductor", self.conductor_address, [
             py, "-m", "mstar.conductor", "--config", cfg, "--address", self.conductor_address,
+            "--internal-address", self.internal_address, *tls_args, *key_args,
+            "--per-key-max-inflight", str(opts.per_key_max_inflight),
             "--groups", json.dumps(groups), "--tensor-comm-protocol", opts.protocol, "--log-level", lvl,
             "--max-inflight", str(opts.max_inflight), "--request-timeout", str(opts.request_timeout_s),
-            *(["--cache-dir", opts.cache_dir] if opts.cache_dir else [])]))
+            *(["--cache-dir", opts.cache_dir] if opts.cache_dir else [])], internal_address=self.internal_address))
         self.services.append(Service("gateway", "gateway", f"{h}:{http_port}", [
-            py, "-m", "mstar.gateway", "--conductor", self.conductor_address, "--host", h,
+            py, "-m", "mstar.gateway", "--conductor", self.conductor_address, "--host", h, *key_args,
             "--port", str(http_port), "--log-level", lvl, "--request-timeout", str(opts.request_timeout_s),
             *(["--upload-dir", opts.upload_dir, "--upload-spill-mb", str(opts.upload_spill_mb),
                "--upload-dir-max-mb", str(opts.upload_dir_max_mb)] if opts.upload_dir else [])]))
@@ -128,13 +147,30 @@ class Mesh:
         if opts.envoy:
             from mstar.xds.local import FrontProxy
 
-            self.proxy = FrontProxy(self.services, h, opts.envoy_port, python=py, log_level=lvl,
-                                    request_timeout_s=opts.request_timeout_s, max_inflight=opts.max_inflight)
+            self.proxy = self._proxy(FrontProxy, self.services, h, opts.envoy_port, python=py, log_level=lvl,
+                                     request_timeout_s=opts.request_timeout_s, max_inflight=opts.max_inflight,
+                                     tls_dir=self.tls_dir)
             self.services += self.proxy.services
         for s in self.services:
             if s.kind not in ("gateway", "envoy"):
                 s.metrics_port = free_port(s.host)
                 s.argv += ["--metrics-port", str(s.metrics_port)]
+
+    def _proxy(self, make, *args, **kw):
+        try:
+            return make(*args, **kw)
+        except BaseException:
+            if self._auto_tls is not None:
+                shutil.rmtree(self._auto_tls, ignore_errors=True)
+            raise
+
+    def _tls_dir(self, given: str | None, hosts: list[str]) -> str | None:
+        """``auto``: a throwaway CA and mesh certificate in a private temporary folder, removed at stop."""
+        if given != "auto":
+            return given
+        self._auto_tls = Path(tempfile.mkdtemp(prefix="mstar-tls-"))
+        mtls.write_mesh_ca(self._auto_tls, hosts)
+        return str(self._auto_tls)
 
     def _assign_mooncake_ports(self, first: int) -> None:
         """Each service that may start a Mooncake engine (node groups, the conductor) gets two
@@ -160,6 +196,8 @@ class Mesh:
             flag = flags.get(s.kind)
             on = out.setdefault(s.host, {})
             on[f"{what} ({flag})" if flag else what] = int(s.address.rsplit(":", 1)[1])
+            if s.internal_address is not None:
+                on[f"{what} internal port"] = int(s.internal_address.rsplit(":", 1)[1])
             if s.metrics_port is not None:
                 on[f"{what} metrics"] = s.metrics_port
             if s.mooncake_ports is not None:
@@ -219,7 +257,7 @@ class Mesh:
             except OSError:
                 return False
         try:
-            with grpc.insecure_channel(s.address) as ch:
+            with mtls.sync_channel(s.address, s.tls) as ch:
                 resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                 return resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
@@ -250,6 +288,8 @@ class Mesh:
         self.cleanup_uploads()
         if self.proxy is not None:
             self.proxy.cleanup()
+        if self._auto_tls is not None:
+            shutil.rmtree(self._auto_tls, ignore_errors=True)
 
     def cleanup_shm(self) -> list[str]:
         """Remove shared-memory segments any of this mesh's services left behind."""
@@ -271,6 +311,9 @@ class Mesh:
         groups = [s.name for s in self.services if s.kind == "node_group"]
         lines = [f"M* ready: model '{self.config.model}' at {self.url} (gRPC {self.conductor_address}; "
                  f"{len(groups)} node group(s): {', '.join(groups)})",
+                 f"M* security: internal gRPC {self.internal_address} ("
+                 f"{'mutual TLS, ' + str(self.tls_dir) if self.tls else 'PLAINTEXT, loopback only'}); API keys "
+                 f"{'required' if self.api_keys.enabled else 'OFF: the public API is open'}",
                  f"M* metrics: {json.dumps(self.metrics_urls())}"]
         if self.proxy is not None:
             lines.append(self.proxy.describe())

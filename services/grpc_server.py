@@ -9,6 +9,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mstar import tls as mtls
 from mstar.ports import PortInUse
 from mstar.services.links import SERVER_OPTIONS
 
@@ -20,16 +21,17 @@ EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 
 class ServerBase:
     """A grpc.aio server bound to ``address`` (port 0 picks a free port) with
-    grpc.health.v1 (NOT_SERVING until ``set_serving``) and server reflection."""
+    grpc.health.v1 (NOT_SERVING until ``set_serving``) and server reflection. With ``tls`` the
+    port serves mutual TLS: a peer without a certificate of the mesh's CA is refused."""
 
-    def __init__(self, address: str, service_names: list[str]):
+    def __init__(self, address: str, service_names: list[str], tls: mtls.TLSSettings | None = None):
         self.server = grpc.aio.server(options=[*SERVER_OPTIONS, EXCLUSIVE_PORT])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         try:
-            self.port = self.server.add_insecure_port(address)
+            self.port = mtls.add_port(self.server, address, tls)
         except RuntimeError:  # grpc: "Failed to bind to address ..."
             self.port = 0
         if self.port == 0:

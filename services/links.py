@@ -5,6 +5,11 @@ conductor's Report). Frames queued in the same event-loop tick are coalesced int
 one FrameBatch; frames nobody waits for (a request's RELEASE) ride along with the next
 message (``send_later``). When the stream breaks, every request that used the link since it
 opened is reported to ``on_down`` so it can fail with a status naming the peer.
+
+Links use the mesh's mutual TLS when it has certificates (mstar.tls). A link to an address
+that only a request's routes named (not one the service was started with) first asks
+``check_route`` whether the conductor announced it: until then nothing is sent, and if not, the
+link goes down naming why, failing the requests that used it.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import torch
 
 from mstar import metrics
+from mstar import tls as mtls
 from mstar.limits import MAX_FRAME_MESSAGE_BYTES
 from mstar.services.transport import LinkSender, Protocol
 from mstar.v1 import conductor_pb2, node_group_pb2
@@ -52,6 +58,10 @@ MAX_COALESCE_PASSES = 4  # event-loop passes a message may wait for other reques
 DEFER_S = 0.005
 
 OnDown = Callable[["Link", str, set[str]], None]  # (link, reason, request ids)
+#: (peer group, address) -> None if the conductor announced that replica, else why not
+CheckRoute = Callable[[str, str], Awaitable[str | None]]
+#: how long a link remembers that its address was refused (a replica may join there later)
+REFUSAL_TTL_S = 5.0
 
 
 def _method(module, service: str, method: str) -> str:
@@ -94,9 +104,12 @@ def _sender_field(name: str) -> bytes:
 
 
 class Link:
-    def __init__(self, sender_name: str, peer: str, address: str, kind: str, protocol: Protocol, on_down: OnDown):
+    def __init__(self, sender_name: str, peer: str, address: str, kind: str, protocol: Protocol, on_down: OnDown,
+                 tls: mtls.TLSSettings | None = None, check: CheckRoute | None = None):
         self.sender_name, self.peer, self.address, self.kind = sender_name, peer, address, kind
-        self.protocol = protocol
+        self.protocol, self.tls = protocol, tls
+        self._check = check  # set until the address is confirmed announced
+        self._refused: tuple[float, str] | None = None  # (monotonic time, why) of the last refusal
         self._on_down = on_down
         self._channel: grpc.aio.Channel | None = None
         self._queue: asyncio.Queue[node_group_pb2.Frame] = asyncio.Queue()
@@ -161,7 +174,7 @@ class Link:
 
     def _start(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=LINK_OPTIONS)
+            self._channel = mtls.aio_channel(self.address, self.tls, LINK_OPTIONS)
         self._tensors = LinkSender(self.protocol, self.sender_name)
         self._take_deferred()  # frames for a stream that broke: its peer lost that state anyway
         self._queue = asyncio.Queue()
@@ -193,8 +206,30 @@ class Link:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
                 return  # the call ended; the reader reports why
 
+    async def _verify(self) -> str | None:
+        """None once the conductor confirmed this address (asked once), else why it is refused."""
+        if self._check is None:
+            return None
+        if self._refused is not None and time.monotonic() - self._refused[0] < REFUSAL_TTL_S:
+            return self._refused[1]
+        why = await self._check(self.peer, self.address)
+        if why is None:
+            self._check, self._refused = None, None
+        else:
+            self._refused = (time.monotonic(), why)
+            log.warning("link %s -> %s (%s) refused: %s", self.sender_name, self.peer, self.address, why)
+        return why
+
     async def _run(self, tensors: LinkSender, queue: asyncio.Queue) -> None:
         assert self._channel is not None
+        try:
+            refused = await self._verify()
+        except asyncio.CancelledError:
+            tensors.close()
+            raise
+        if refused is not None:
+            self._down(tensors, queue, refused, refused=True)
+            return
         # messages go out already serialized (batch_bytes): no request serializer
         call = self._channel.stream_stream(_METHODS[self.kind], response_deserializer=node_group_pb2.Ack.FromString)()
         writer = asyncio.get_running_loop().create_task(self._write(call, queue))
@@ -213,6 +248,10 @@ class Link:
             raise
         finally:
             writer.cancel()
+        self._down(tensors, queue, reason)
+
+    def _down(self, tensors: LinkSender, queue: asyncio.Queue, reason: str, refused: bool = False) -> None:
+        """The stream ended (or was refused before it opened): report the requests it carried."""
         tensors.close()
         affected, self._requests = self._requests, set()
         while not queue.empty():
@@ -222,9 +261,11 @@ class Link:
         # A fault when it cost requests; a link with nothing in flight, or of a service that is
         # stopping itself, closing is how a mesh shuts down (it reconnects on the next frame).
         hurt = bool(affected) and not self.draining
-        log.log(logging.WARNING if hurt else logging.INFO, "link %s -> %s (%s) %s: %s; %d request(s) in flight",
-                self.sender_name, self.peer, self.address, "down" if hurt else "closed", reason, len(affected))
-        self._on_down(self, f"{self.peer} ({self.address}) is unreachable: {reason}", affected)
+        if not refused:
+            log.log(logging.WARNING if hurt else logging.INFO, "link %s -> %s (%s) %s: %s; %d request(s) in flight",
+                    self.sender_name, self.peer, self.address, "down" if hurt else "closed", reason, len(affected))
+        self._on_down(self, f"{self.peer} ({self.address}) {'is refused' if refused else 'is unreachable'}: {reason}",
+                      affected)
 
     async def close(self) -> None:
         # deferred RELEASEs are dropped, like frames still queued: node groups release every
@@ -244,8 +285,12 @@ class Links:
     """The links of one service: one per peer replica (keyed by address), named by the
     peer's group. ``route`` finds the link a request's frames to a group take."""
 
-    def __init__(self, sender_name: str, protocol: Protocol, on_down: OnDown):
+    def __init__(self, sender_name: str, protocol: Protocol, on_down: OnDown, tls: mtls.TLSSettings | None = None,
+                 check_route: CheckRoute | None = None):
+        """``check_route``: ask it before opening a link to an address only a request's routes
+        named (node groups); None trusts every route (the conductor makes the routes)."""
         self.sender_name, self.protocol, self._on_down = sender_name, protocol, on_down
+        self.tls, self._check_route = tls, check_route
         self._links: dict[str, Link] = {}  # address -> link
         self._default: dict[str, str] = {}  # peer name -> address when a request names no replica
         self._draining = False
@@ -255,11 +300,14 @@ class Links:
         self._default[peer] = address
         return self.to(peer, address, kind)
 
-    def to(self, peer: str, address: str, kind: str = "exchange") -> Link:
+    def to(self, peer: str, address: str, kind: str = "exchange", check: bool = False) -> Link:
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = Link(self.sender_name, peer, address, kind, self.protocol, self._on_down)
+            link = self._links[address] = Link(self.sender_name, peer, address, kind, self.protocol, self._on_down,
+                                               self.tls, self._check_route if check else None)
             link.draining = self._draining
+        elif link.peer != peer:  # one address is one replica of one group: routes cannot relabel it
+            raise KeyError(f"route to node group '{peer}' names {address}, which is a replica of '{link.peer}'")
         return link
 
     def route(self, peer: str, routes) -> Link:
@@ -269,7 +317,7 @@ class Links:
         if address is None:
             raise KeyError(f"no replica of node group '{peer}' is known to '{self.sender_name}' (the request carries no "
                            f"route to it and --peers does not name it)")
-        return self.to(peer, address)
+        return self.to(peer, address, check=address != self._default.get(peer))
 
     def __getitem__(self, peer: str) -> Link:
         return self._links[self._default[peer]]

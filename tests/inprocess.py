@@ -28,8 +28,9 @@ class InProcessMesh:
     config: PlacementConfig
     groups: dict[str, NodeGroupServer]
     conductor: ConductorServer
-    address: str
+    address: str  # the public port (Conductor)
     channel: grpc.aio.Channel
+    internal: str  # the internal port (WalkEvents), where node groups report and join
 
     @property
     def stub(self) -> conductor_pb2_grpc.ConductorStub:
@@ -44,21 +45,22 @@ async def inprocess_mesh(config: PlacementConfig, protocol: Protocol = Protocol.
                          **conductor_kw):
     addrs = {g: f"127.0.0.1:{free_port('127.0.0.1')}" for g in config.group_names}
     conductor_address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    internal_address = f"127.0.0.1:{free_port('127.0.0.1')}"
     groups: dict[str, NodeGroupServer] = {}
     conductor = None
     try:
         for g in config.group_names:
             model = create_model(config.model, config.model_kwargs, cache_dir)
-            runtime = NodeGroupRuntime(g, model, Placement(config, model), addrs, conductor_address, protocol)
+            runtime = NodeGroupRuntime(g, model, Placement(config, model), addrs, internal_address, protocol)
             groups[g] = NodeGroupServer(addrs[g], runtime)
             await groups[g].start()
         model = create_model(config.model, config.model_kwargs, cache_dir)
         model.prepare_conductor()
         table = RequestTable(model, Placement(config, model), Replicas({g: [a] for g, a in addrs.items()}), protocol)
-        conductor = ConductorServer(conductor_address, table, **conductor_kw)
+        conductor = ConductorServer(conductor_address, table, internal_address=internal_address, **conductor_kw)
         await conductor.start()
         async with grpc.aio.insecure_channel(conductor_address, options=CHANNEL_OPTIONS) as channel:
-            yield InProcessMesh(config, groups, conductor, conductor_address, channel)
+            yield InProcessMesh(config, groups, conductor, conductor_address, channel, internal_address)
     finally:
         # every service's outgoing streams close first: then no server waits out its grace for a
         # peer's stream (each would, one after another, and every mesh test would pay for it)

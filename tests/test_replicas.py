@@ -78,13 +78,19 @@ def test_health_probe_takes_dead_replicas_out_and_back(toy_config):
 
 def test_join_rejects_bad_input(toy_config):
     async def main():
-        async with inprocess_mesh(toy_config(), Protocol.TCP) as mesh:
-            stub = conductor_pb2_grpc.WalkEventsStub(mesh.channel)
+        async with inprocess_mesh(toy_config(), Protocol.TCP) as mesh, grpc.aio.insecure_channel(mesh.internal) as ch:
+            stub = conductor_pb2_grpc.WalkEventsStub(ch)
+            encoder = mesh.conductor.table.replicas.serving("encoder")[0]
             for req, field in ((cpb.JoinRequest(group="nope", address="h:1"), "group"),
-                               (cpb.JoinRequest(group="decoder", address="nocolon"), "address")):
+                               (cpb.JoinRequest(group="decoder", address="nocolon"), "address"),
+                               (cpb.JoinRequest(group="decoder", address=encoder), "address")):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Join(req, timeout=5)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # the public port does not serve WalkEvents (issue 30)
+                await conductor_pb2_grpc.WalkEventsStub(mesh.channel).Join(cpb.JoinRequest(group="decoder",
+                                                                                           address="h:1"), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     run(main())
 
 
@@ -95,13 +101,14 @@ def test_a_joined_replica_serves_its_share_and_requests_stay_on_their_replicas(t
         config = toy_config()
         async with inprocess_mesh(config, Protocol.AUTO) as mesh:
             model = create_model(config.model, config.model_kwargs)
-            runtime = NodeGroupRuntime("decoder", model, Placement(config, model), {}, mesh.address, Protocol.AUTO)
+            runtime = NodeGroupRuntime("decoder", model, Placement(config, model), {}, mesh.internal, Protocol.AUTO)
             extra = NodeGroupServer("127.0.0.1:0", runtime)
             await extra.start()
             try:
                 address = f"127.0.0.1:{extra.port}"
-                resp = await conductor_pb2_grpc.WalkEventsStub(mesh.channel).Join(
-                    cpb.JoinRequest(group="decoder", address=address), timeout=5)
+                async with grpc.aio.insecure_channel(mesh.internal) as ch:
+                    resp = await conductor_pb2_grpc.WalkEventsStub(ch).Join(
+                        cpb.JoinRequest(group="decoder", address=address), timeout=5)
                 assert address in resp.replicas and len(resp.replicas) == 2
                 prompts = [f"replica {i} says hi" for i in range(6)]
                 results = await asyncio.gather(*(collect(mesh.stub, request(p)) for p in prompts))

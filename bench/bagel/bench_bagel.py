@@ -142,17 +142,19 @@ async def mesh(config_name: str, kwargs: dict, devices: dict[str, str]):
     cfg = dataclasses.replace(cfg, model_kwargs={**cfg.model_kwargs, **kwargs})
     addrs = {g: f"127.0.0.1:{free_port('127.0.0.1')}" for g in cfg.group_names}
     conductor_address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    internal_address = f"127.0.0.1:{free_port('127.0.0.1')}"  # the conductor's WalkEvents port: node groups report there
     groups = {}
     for g in cfg.group_names:
         model = create_model("bagel", cfg.model_kwargs)
-        runtime = NodeGroupRuntime(g, model, Placement(cfg, model), addrs, conductor_address, Protocol.AUTO,
+        runtime = NodeGroupRuntime(g, model, Placement(cfg, model), addrs, internal_address, Protocol.AUTO,
                                    device=devices.get(g, next(iter(devices.values()))))
         groups[g] = NodeGroupServer(addrs[g], runtime)
         await groups[g].start()
     model = create_model("bagel", cfg.model_kwargs)
     model.prepare_conductor()
     conductor = ConductorServer(conductor_address, RequestTable(model, Placement(cfg, model),
-                                                                Replicas({g: [a] for g, a in addrs.items()}), Protocol.AUTO))
+                                                                Replicas({g: [a] for g, a in addrs.items()}), Protocol.AUTO),
+                                internal_address=internal_address)
     await conductor.start()
     try:
         async with grpc.aio.insecure_channel(conductor_address, options=CHANNEL_OPTIONS) as channel:

@@ -3,7 +3,9 @@
 // time (no generated code), lists the served models, calls Conductor.Generate and prints
 // every chunk as it arrives, then the final event.
 //
-//   node client.js [--address 127.0.0.1:50051] [--model toy] [--max-tokens 64] [--timeout 30] [text...]
+//   node client.js [--address 127.0.0.1:50051] [--api-key KEY] [--model toy] [--max-tokens 64] [--timeout 30] [text...]
+//
+// A mesh with API keys needs one: --api-key, or $MSTAR_API_KEY (sent as metadata "authorization: Bearer KEY").
 //
 // Output, one line each:  models: toy
 //                         chunk text#0 text "U"         (audio/tensor chunks show their byte count)
@@ -17,7 +19,8 @@ const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
 function parseArgs(argv) {
-  const opts = { address: "127.0.0.1:50051", model: "toy", maxTokens: null, timeout: 30, text: [] };
+  const opts = { address: "127.0.0.1:50051", apiKey: process.env.MSTAR_API_KEY || "", model: "toy", maxTokens: null,
+    timeout: 30, text: [] };
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i];
     const value = () => {
@@ -25,6 +28,7 @@ function parseArgs(argv) {
       return argv[++i];
     };
     if (arg === "--address") opts.address = value();
+    else if (arg === "--api-key") opts.apiKey = value();
     else if (arg === "--model") opts.model = value();
     else if (arg === "--max-tokens") opts.maxTokens = Number(value());
     else if (arg === "--timeout") opts.timeout = Number(value());
@@ -64,6 +68,8 @@ function main() {
   const opts = parseArgs(process.argv.slice(2));
   const Conductor = loadConductor();
   const client = new Conductor(opts.address, grpc.credentials.createInsecure());
+  const metadata = new grpc.Metadata();
+  if (opts.apiKey) metadata.set("authorization", `Bearer ${opts.apiKey}`);
   const fail = (err) => {
     const status = Object.keys(grpc.status).find((k) => grpc.status[k] === err.code) || err.code;
     console.error(`error ${status}: ${err.details || err.message}`);
@@ -71,12 +77,13 @@ function main() {
     process.exit(1);
   };
 
-  client.ListModels({}, { deadline: deadline(10) }, (err, resp) => {
+  client.ListModels({}, metadata, { deadline: deadline(10) }, (err, resp) => {
     if (err) return fail(err);
     console.log(`models: ${resp.models.map((m) => m.name).join(", ")}`);
     const kwargs = opts.maxTokens === null ? {} : { max_tokens: opts.maxTokens };
     const call = client.Generate(
       { model: opts.model, text: opts.text, model_kwargs_json: JSON.stringify(kwargs) },
+      metadata,
       { deadline: deadline(opts.timeout) },
     );
     const texts = [];

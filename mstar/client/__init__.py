@@ -11,6 +11,7 @@ from mstar.client.errors import (
     MStarError,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from mstar.client.messages import prompt_from_messages
@@ -35,7 +36,7 @@ from mstar.client.types import (
 __all__ = [
     "MStarClient", "AsyncMStarClient", "GenerateStream", "AsyncGenerateStream",
     "MStarError", "InvalidArgument", "NotFound", "AlreadyExists", "ResourceExhausted", "Cancelled", "Unavailable",
-    "DeadlineExceeded", "Internal",
+    "DeadlineExceeded", "Internal", "Unauthenticated",
     "Chunk", "File", "Final", "Health", "Image", "Modality", "ModelInfo", "Output", "Result", "Speech", "Tensor",
     "Timings", "Usage", "prompt_from_messages", "Plan", "Rollout", "RolloutStep",
 ]

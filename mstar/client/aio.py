@@ -18,6 +18,7 @@ from mstar.client.base import (
     DEFAULT_TIMEOUT_S,
     QUICK_TIMEOUT_S,
     StreamState,
+    api_key_or_env,
     chat_call,
     default_model,
     edit_kwargs,
@@ -125,12 +126,14 @@ class AsyncGenerateStream:
 class AsyncMStarClient:
     """The asyncio twin of MStarClient: same arguments, same results, awaited."""
 
-    def __init__(self, address: str = "http://127.0.0.1:8000", *, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, address: str = "http://127.0.0.1:8000", *, timeout: float = DEFAULT_TIMEOUT_S,
+                 api_key: str | None = None):
         self.address = parse_address(address)
+        key = api_key_or_env(api_key)  # sent as Authorization: Bearer <key> (HTTP header or gRPC metadata)
         self.timeout = timeout
         self._default: str | None = None  # the served model, once asked (the robot calls)
-        self._transport = (AsyncHttpTransport(self.address.target) if self.address.transport == "rest"
-                           else AsyncGrpcTransport(self.address.target, self.address.secure))
+        self._transport = (AsyncHttpTransport(self.address.target, key) if self.address.transport == "rest"
+                           else AsyncGrpcTransport(self.address.target, self.address.secure, key))
 
     @property
     def transport(self) -> str:

@@ -4,6 +4,7 @@ and picking a model's output of a modality."""
 from __future__ import annotations
 
 import mimetypes
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from mstar.client.types import (
 )
 
 DEFAULT_TIMEOUT_S = 300.0
+#: the API key a client sends when given none (the SDK's one variable, read only here)
+API_KEY_ENV = "MSTAR_API_KEY"
 #: health() and models() are quick questions: a shorter default wait
 QUICK_TIMEOUT_S = 10.0
 SCHEMES = ("http://", "https://", "grpc://", "grpcs://")
@@ -51,6 +54,11 @@ def parse_address(address: str) -> Address:
         return Address("grpc", target, address.startswith("grpcs://"))
     raise ValueError(f"address must start with one of {', '.join(SCHEMES)} (REST gateway or gRPC conductor), "
                      f"got {address!r}")
+
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    """The key to send as ``Authorization: Bearer <key>``: the given one, else $MSTAR_API_KEY, else none."""
+    return api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
 
 
 def make_params(model: str, text: str, *, files: Mapping[str, FileLike] | Sequence[File] | None,

@@ -18,6 +18,7 @@ from grpc_status import rpc_status
 #: gRPC status name -> HTTP status, as the gateway maps them (gateway/errors.py; a test keeps the two equal).
 HTTP_STATUS: dict[str, int] = {
     "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
     "NOT_FOUND": 404,
     "ALREADY_EXISTS": 409,
     "RESOURCE_EXHAUSTED": 429,
@@ -56,6 +57,12 @@ class InvalidArgument(MStarError):
 
     def __init__(self, field: str | None, message: str, **kw):
         super().__init__(message, field=field, **kw)
+
+
+class Unauthenticated(MStarError):
+    """The server needs an API key and got none, or one it does not know (``api_key=``)."""
+
+    default_code = "UNAUTHENTICATED"
 
 
 class NotFound(MStarError):
@@ -104,12 +111,12 @@ _BY_CODE: dict[str, type[MStarError]] = {
     "INVALID_ARGUMENT": InvalidArgument, "FAILED_PRECONDITION": InvalidArgument, "OUT_OF_RANGE": InvalidArgument,
     "PAYLOAD_TOO_LARGE": InvalidArgument, "UNSUPPORTED_MEDIA_TYPE": InvalidArgument, "BAD_REQUEST": InvalidArgument,
     "METHOD_NOT_ALLOWED": InvalidArgument,
-    "NOT_FOUND": NotFound, "ALREADY_EXISTS": AlreadyExists, "RESOURCE_EXHAUSTED": ResourceExhausted,
+    "UNAUTHENTICATED": Unauthenticated, "NOT_FOUND": NotFound, "ALREADY_EXISTS": AlreadyExists, "RESOURCE_EXHAUSTED": ResourceExhausted,
     "CANCELLED": Cancelled, "UNAVAILABLE": Unavailable, "DEADLINE_EXCEEDED": DeadlineExceeded,
     "INTERNAL": Internal, "UNKNOWN": Internal, "DATA_LOSS": Internal, "UNIMPLEMENTED": Internal,
 }
 _BY_STATUS: dict[int, type[MStarError]] = {
-    400: InvalidArgument, 404: NotFound, 409: AlreadyExists, 413: InvalidArgument, 415: InvalidArgument,
+    400: InvalidArgument, 401: Unauthenticated, 404: NotFound, 409: AlreadyExists, 413: InvalidArgument, 415: InvalidArgument,
     429: ResourceExhausted, 499: Cancelled, 500: Internal, 502: Unavailable, 503: Unavailable, 504: DeadlineExceeded,
 }
 

@@ -50,28 +50,34 @@ class GrpcCall:
         """After the final event: the call ends with OK on its own."""
 
 
+def _auth(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the API key (the conductor reads ``authorization: Bearer <key>``)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 class GrpcTransport:
-    def __init__(self, target: str, secure: bool):
+    def __init__(self, target: str, secure: bool, api_key: str | None = None):
         creds = grpc.ssl_channel_credentials() if secure else None
         self.target = target
+        self._md = _auth(api_key)
         self._channel = (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._stub = conductor_pb2_grpc.ConductorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def generate(self, params: GenerateParams, timeout: float) -> GrpcCall:
-        return GrpcCall(self._stub.Generate(to_proto(params), timeout=timeout))
+        return GrpcCall(self._stub.Generate(to_proto(params), timeout=timeout, metadata=self._md))
 
     def act(self, params: ActParams, timeout: float) -> Tensor:
         try:
-            resp = self._stub.Act(act_to_proto(params), timeout=timeout)
+            resp = self._stub.Act(act_to_proto(params), timeout=timeout, metadata=self._md)
         except grpc.RpcError as e:
             raise from_grpc(e) from None
         return tensor_from_proto(resp.actions)
 
     def models(self, timeout: float) -> list[ModelInfo]:
         try:
-            resp = self._stub.ListModels(cpb.ListModelsRequest(), timeout=timeout)
+            resp = self._stub.ListModels(cpb.ListModelsRequest(), timeout=timeout, metadata=self._md)
         except grpc.RpcError as e:
             raise from_grpc(e) from None
         return [model_from_proto(m) for m in resp.models]
@@ -111,8 +117,9 @@ class AsyncGrpcCall:
 class AsyncGrpcTransport:
     """The channel opens on first use, inside the caller's event loop."""
 
-    def __init__(self, target: str, secure: bool):
+    def __init__(self, target: str, secure: bool, api_key: str | None = None):
         self.target, self._secure = target, secure
+        self._md = _auth(api_key)
         self._channel: grpc.aio.Channel | None = None
 
     def _stubs(self) -> tuple[conductor_pb2_grpc.ConductorStub, health_pb2_grpc.HealthStub]:
@@ -122,18 +129,18 @@ class AsyncGrpcTransport:
         return conductor_pb2_grpc.ConductorStub(self._channel), health_pb2_grpc.HealthStub(self._channel)
 
     async def generate(self, params: GenerateParams, timeout: float) -> AsyncGrpcCall:
-        return AsyncGrpcCall(self._stubs()[0].Generate(to_proto(params), timeout=timeout))
+        return AsyncGrpcCall(self._stubs()[0].Generate(to_proto(params), timeout=timeout, metadata=self._md))
 
     async def act(self, params: ActParams, timeout: float) -> Tensor:
         try:
-            resp = await self._stubs()[0].Act(act_to_proto(params), timeout=timeout)
+            resp = await self._stubs()[0].Act(act_to_proto(params), timeout=timeout, metadata=self._md)
         except grpc.aio.AioRpcError as e:
             raise from_grpc(e) from None
         return tensor_from_proto(resp.actions)
 
     async def models(self, timeout: float) -> list[ModelInfo]:
         try:
-            resp = await self._stubs()[0].ListModels(cpb.ListModelsRequest(), timeout=timeout)
+            resp = await self._stubs()[0].ListModels(cpb.ListModelsRequest(), timeout=timeout, metadata=self._md)
         except grpc.aio.AioRpcError as e:
             raise from_grpc(e) from None
         return [model_from_proto(m) for m in resp.models]

@@ -104,12 +104,13 @@ class HttpCall:
 
 
 class HttpTransport:
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _open(self, method: str, path: str, timeout: float, data: bytes | None = None, content_type: str | None = None,
               accept: str = "application/json, application/x-ndjson"):
-        headers = {"User-Agent": USER_AGENT, "Accept": accept}
+        headers = {"User-Agent": USER_AGENT, "Accept": accept, **self._auth}
         if content_type:
             headers["Content-Type"] = content_type
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
@@ -218,13 +219,14 @@ class AsyncHttpCall:
 class AsyncHttpTransport:
     """The aiohttp session opens on first use, inside the caller's event loop."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers={"User-Agent": USER_AGENT})
+            self._session = aiohttp.ClientSession(headers={"User-Agent": USER_AGENT, **self._auth})
         return self._session
 
     async def _request(self, method: str, path: str, timeout: float, **kw) -> aiohttp.ClientResponse:

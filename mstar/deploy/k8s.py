@@ -3,7 +3,10 @@ topology (node groups request ``nvidia.com/gpu``), a ConfigMap with the placemen
 one with the control plane's targets, and a ServiceMonitor (prometheus-operator CRD).
 
 Files: ``mstar.yaml`` (core objects, ``kubectl apply -f``) and ``servicemonitor.yaml``
-(apply where prometheus-operator is installed).
+(apply where prometheus-operator is installed). Two Secrets are made by hand first, never
+generated: ``mstar-tls`` (ca.pem, cert.pem, key.pem: the mesh's certificate, mounted by the node
+groups, the conductor and the control plane) and ``mstar-api-keys`` (file ``api-keys``, mounted
+by the gateway and the conductor).
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import yaml
 
 from mstar.config import PlacementConfig
 from mstar.deploy.topology import (
+    API_KEYS_PATH,
     CONFIG_PATH,
     METRICS_PORT,
     TARGETS_DIR,
+    TLS_DIR,
     Options,
     ServiceSpec,
     Topology,
@@ -27,6 +32,8 @@ from mstar.deploy.topology import (
 PREFIX = "mstar-"
 PART_OF = {"app.kubernetes.io/part-of": "mstar"}
 PLACEMENT_CM, TARGETS_CM = "mstar-placement", "mstar-xds-targets"
+TLS_SECRET, API_KEYS_SECRET = "mstar-tls", "mstar-api-keys"  # made by hand, never generated (deploy/README.md)
+IMAGE_UID = 10001  # the user deploy/Dockerfile runs as
 
 
 def _labels(s: ServiceSpec) -> dict:
@@ -34,8 +41,10 @@ def _labels(s: ServiceSpec) -> dict:
 
 
 def _probe(s: ServiceSpec, **kw) -> dict:
-    kind, target = s.probe
+    kind, target = s.probe[:2]
     port = int(target.rsplit(":", 1)[1].split("/", 1)[0])
+    if kind == "grpc-mtls":  # Kubernetes' gRPC probe cannot present the mesh's client certificate
+        return {"exec": {"command": s.probe_command}, "timeoutSeconds": 5, **kw}
     if kind == "grpc":
         return {"grpc": {"port": port}, **kw}
     return {"httpGet": {"path": "/" + target.split("/", 3)[3], "port": port}, **kw}
@@ -64,9 +73,18 @@ def deployment(s: ServiceSpec, opts: Options) -> dict:
     if s.kind == "xds":
         container["volumeMounts"] = [{"name": "targets", "mountPath": TARGETS_DIR, "readOnly": True}]
         volumes = [{"name": "targets", "configMap": {"name": TARGETS_CM}}]
+    if s.tls:  # the mesh's certificate: kubectl create secret generic mstar-tls --from-file=DIR (deploy/README.md)
+        container.setdefault("volumeMounts", []).append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o440}})
+    if s.api_keys:  # kubectl create secret generic mstar-api-keys --from-file=api-keys=FILE
+        container.setdefault("volumeMounts", []).append(
+            {"name": "api-keys", "mountPath": str(Path(API_KEYS_PATH).parent), "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {"secretName": API_KEYS_SECRET, "defaultMode": 0o440}})
     if s.devices:
         container["resources"] = {"limits": {"nvidia.com/gpu": len(s.devices)}}
     pod: dict = {"containers": [container], "terminationGracePeriodSeconds": 30}
+    if s.tls or s.api_keys:  # the image's user (deploy/Dockerfile, uid 10001) reads the secrets through their group
+        pod["securityContext"] = {"fsGroup": IMAGE_UID}
     if volumes:
         pod["volumes"] = volumes
     spec: dict = {"replicas": s.replicas, "selector": {"matchLabels": {"app.kubernetes.io/name": s.name}},

@@ -6,6 +6,12 @@ name (compose service or Kubernetes Service). Node-group replicas (one container
 each) join the conductor with their own IP; the conductor pins each request to one replica
 per group and tells every replica where the others are. Tensors pick their transport per
 edge (AUTO): between containers that is inline bytes, or Mooncake where installed.
+
+Trust boundaries: the conductor's public port (Conductor) is what the gateway and Envoy reach;
+its internal port (WalkEvents) and the node groups' ports serve mutual TLS with the mesh
+certificate mounted at ``TLS_DIR`` (a secret: ``mstar tls init``), which the node groups, the
+conductor and the control plane (its health checks) present. The gateway and the conductor
+require the API keys mounted at ``API_KEYS_PATH`` (an empty file leaves the API open).
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ from mstar.config import PlacementConfig
 
 CONFIG_PATH = "/etc/mstar/placement.yaml"
 TARGETS_DIR = "/etc/mstar/xds"  # a directory: a file dropped in registers more targets
+TLS_DIR = "/etc/mstar/tls"  # ca.pem, cert.pem, key.pem: the mesh's certificate (mstar.tls)
+API_KEYS_PATH = "/etc/mstar/keys/api-keys"  # one API key per line (mstar.auth)
 NODE_PORT = 7000
-CONDUCTOR_PORT = 50051
+CONDUCTOR_PORT = 50051  # public: Conductor (gateway, Envoy, clients)
+CONDUCTOR_INTERNAL_PORT = 50052  # internal: WalkEvents (node groups), mutual TLS
 GATEWAY_PORT = 8000
 METRICS_PORT = 9100
 XDS_PORT = 18000
@@ -46,12 +55,15 @@ class ServiceSpec:
     kind: str  # node_group | conductor | gateway | xds | envoy
     command: list[str]
     ports: dict[str, int]  # port name -> container port
-    probe: tuple[str, str]  # ("grpc", "127.0.0.1:port") or ("http", "http://127.0.0.1:port/path")
+    #: ("grpc", "127.0.0.1:port"), ("grpc-mtls", "127.0.0.1:port", TLS_DIR) or ("http", "http://127.0.0.1:port/path")
+    probe: tuple[str, ...]
     depends_on: list[str] = field(default_factory=list)
     devices: list[int] = field(default_factory=list)  # GPU device ids to reserve
     replicas: int = 1
     group: str | None = None
     metrics_path: str = "/metrics"
+    tls: bool = False  # mounts the mesh's certificate (TLS_DIR)
+    api_keys: bool = False  # mounts the API keys (API_KEYS_PATH)
 
     @property
     def probe_command(self) -> list[str]:
@@ -75,6 +87,7 @@ class Topology:
 def build(config: PlacementConfig, opts: Options, prefix: str = "") -> Topology:
     """``prefix`` goes before every DNS name (Kubernetes: ``mstar-``)."""
     lvl = ["--log-level", opts.log_level]
+    tls, keys = ["--tls-dir", TLS_DIR], ["--api-keys-file", API_KEYS_PATH]
     node = {g.name: f"{prefix}node-{dns_label(g.name)}" for g in config.node_groups}
     if len(set(node.values())) != len(node):
         raise ValueError(f"node group names {sorted(node)} collide as DNS names {sorted(node.values())}; rename one")
@@ -89,30 +102,32 @@ def build(config: PlacementConfig, opts: Options, prefix: str = "") -> Topology:
         services.append(ServiceSpec(
             node[g.name], "node_group",
             ["python", "-m", "mstar.services.node_group", "--config", CONFIG_PATH, "--group", g.name,
-             "--address", f"0.0.0.0:{NODE_PORT}", "--conductor", f"{conductor}:{CONDUCTOR_PORT}",
+             "--address", f"0.0.0.0:{NODE_PORT}", "--conductor", f"{conductor}:{CONDUCTOR_INTERNAL_PORT}", *tls,
              "--device", "cuda:0" if devices else "cpu", *metrics, *lvl],
-            {"grpc": NODE_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{NODE_PORT}"),
-            devices=devices, group=g.name, replicas=opts.node_replicas.get(g.name, 1)))
+            {"grpc": NODE_PORT, "metrics": METRICS_PORT}, ("grpc-mtls", f"127.0.0.1:{NODE_PORT}", TLS_DIR),
+            devices=devices, group=g.name, replicas=opts.node_replicas.get(g.name, 1), tls=True))
     services.append(ServiceSpec(
         conductor, "conductor",
         ["python", "-m", "mstar.conductor", "--config", CONFIG_PATH, "--address", f"0.0.0.0:{CONDUCTOR_PORT}",
+         "--internal-address", f"0.0.0.0:{CONDUCTOR_INTERNAL_PORT}", *tls, *keys,
          "--groups", "{}", "--max-inflight", str(opts.max_inflight),
          "--request-timeout", f"{opts.request_timeout_s:g}", *metrics, *lvl],
-        {"grpc": CONDUCTOR_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{CONDUCTOR_PORT}"),
-        depends_on=list(node.values())))
+        {"grpc": CONDUCTOR_PORT, "internal": CONDUCTOR_INTERNAL_PORT, "metrics": METRICS_PORT},
+        ("grpc", f"127.0.0.1:{CONDUCTOR_PORT}"), depends_on=list(node.values()), tls=True, api_keys=True))
     services.append(ServiceSpec(
         gateway, "gateway",
         ["python", "-m", "mstar.gateway", "--conductor", f"{conductor}:{CONDUCTOR_PORT}", "--host", "0.0.0.0",
          "--port", str(GATEWAY_PORT), "--request-timeout", f"{opts.request_timeout_s:g}",
-         "--drain-delay", f"{DRAIN_DELAY_S:g}", *lvl],
+         "--drain-delay", f"{DRAIN_DELAY_S:g}", *keys, *lvl],
         {"http": GATEWAY_PORT, "metrics": GATEWAY_PORT}, ("http", f"http://127.0.0.1:{GATEWAY_PORT}/health"),
-        depends_on=[conductor], replicas=opts.gateway_replicas))
+        depends_on=[conductor], replicas=opts.gateway_replicas, api_keys=True))
     services.append(ServiceSpec(
         xds, "xds",
         ["python", "-m", "mstar.xds", "--address", f"0.0.0.0:{XDS_PORT}", "--targets", TARGETS_DIR,
          "--listen", f"0.0.0.0:{ENVOY_PORT}", "--poll-interval", f"{XDS_POLL_S:g}",
-         "--request-timeout", f"{opts.request_timeout_s:g}", "--max-generate", str(opts.max_inflight), *metrics, *lvl],
-        {"grpc": XDS_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{XDS_PORT}")))
+         "--request-timeout", f"{opts.request_timeout_s:g}", "--max-generate", str(opts.max_inflight), *tls, *metrics,
+         *lvl],
+        {"grpc": XDS_PORT, "metrics": METRICS_PORT}, ("grpc", f"127.0.0.1:{XDS_PORT}"), tls=True))
     services.append(ServiceSpec(
         f"{prefix}envoy", "envoy",
         ["python", "-m", "mstar.xds.envoy", "--xds", f"{xds}:{XDS_PORT}", "--admin", f"0.0.0.0:{ENVOY_ADMIN_PORT}",
@@ -121,7 +136,7 @@ def build(config: PlacementConfig, opts: Options, prefix: str = "") -> Topology:
         depends_on=[xds], metrics_path="/stats/prometheus"))
     targets = [{"cluster": "gateway", "address": f"{gateway_pods(gateway, prefix)}:{GATEWAY_PORT}", "health": "http"},
                {"cluster": "conductor", "address": f"{conductor}:{CONDUCTOR_PORT}", "health": "grpc"}]
-    targets += [{"cluster": f"node-{g}", "address": f"{n}:{NODE_PORT}", "health": "grpc"} for g, n in node.items()]
+    targets += [{"cluster": f"node-{g}", "address": f"{n}:{NODE_PORT}", "health": "grpc-mtls"} for g, n in node.items()]
     return Topology(config, services, targets)
 
 

@@ -227,3 +227,17 @@ class JoinResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CheckRouteRequest(_message.Message):
+    __slots__ = ("group", "address")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    address: str
+    def __init__(self, group: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class CheckRouteResponse(_message.Message):
+    __slots__ = ("announced",)
+    ANNOUNCED_FIELD_NUMBER: _ClassVar[int]
+    announced: bool
+    def __init__(self, announced: _Optional[bool] = ...) -> None: ...

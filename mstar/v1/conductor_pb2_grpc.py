@@ -27,7 +27,11 @@ if _version_not_supported:
 
 
 class ConductorStub:
-    """Missing associated documentation comment in .proto file."""
+    """The public API, on the conductor's public port. When the conductor has API keys, every
+    call carries metadata "authorization: Bearer <key>" (grpc.health.v1 and reflection need
+    none): a missing or unknown key fails UNAUTHENTICATED; a key at its concurrency limit
+    fails Generate and Act with RESOURCE_EXHAUSTED.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -58,7 +62,11 @@ class ConductorStub:
 
 
 class ConductorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The public API, on the conductor's public port. When the conductor has API keys, every
+    call carries metadata "authorization: Bearer <key>" (grpc.health.v1 and reflection need
+    none): a missing or unknown key fails UNAUTHENTICATED; a key at its concurrency limit
+    fails Generate and Act with RESOURCE_EXHAUSTED.
+    """
 
     def Generate(self, request, context):
         """Runs one request; streams its output chunks, then one FinalEvent.
@@ -83,7 +91,8 @@ class ConductorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Cancels an in-flight request; its Generate stream ends with CANCELLED.
+        """Cancels an in-flight request; its Generate stream ends with CANCELLED. With API keys,
+        only the key that started the request may cancel it (another key gets cancelled=false).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,7 +137,11 @@ def add_ConductorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Conductor:
-    """Missing associated documentation comment in .proto file."""
+    """The public API, on the conductor's public port. When the conductor has API keys, every
+    call carries metadata "authorization: Bearer <key>" (grpc.health.v1 and reflection need
+    none): a missing or unknown key fails UNAUTHENTICATED; a key at its concurrency limit
+    fails Generate and Act with RESOURCE_EXHAUSTED.
+    """
 
     @staticmethod
     def Generate(request,
@@ -240,7 +253,9 @@ class Conductor:
 
 
 class WalkEventsStub:
-    """Internal: node groups report emits, fragment completion and failures.
+    """Internal: node groups report emits, fragment completion and failures. Served on the
+    conductor's internal port only (mutual TLS when the mesh has certificates), never on the
+    public port that clients, the gateway and Envoy reach.
     """
 
     def __init__(self, channel):
@@ -259,10 +274,17 @@ class WalkEventsStub:
                 request_serializer=mstar_dot_v1_dot_conductor__pb2.JoinRequest.SerializeToString,
                 response_deserializer=mstar_dot_v1_dot_conductor__pb2.JoinResponse.FromString,
                 _registered_method=True)
+        self.CheckRoute = channel.unary_unary(
+                '/mstar.v1.WalkEvents/CheckRoute',
+                request_serializer=mstar_dot_v1_dot_conductor__pb2.CheckRouteRequest.SerializeToString,
+                response_deserializer=mstar_dot_v1_dot_conductor__pb2.CheckRouteResponse.FromString,
+                _registered_method=True)
 
 
 class WalkEventsServicer:
-    """Internal: node groups report emits, fragment completion and failures.
+    """Internal: node groups report emits, fragment completion and failures. Served on the
+    conductor's internal port only (mutual TLS when the mesh has certificates), never on the
+    public port that clients, the gateway and Envoy reach.
     """
 
     def Report(self, request_iterator, context):
@@ -275,6 +297,16 @@ class WalkEventsServicer:
     def Join(self, request, context):
         """A node-group replica offers itself (at start) or withdraws (at drain). The
         conductor routes new requests only to joined replicas that pass health checks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckRoute(self, request, context):
+        """Whether the conductor announced `address` as a replica of `group` (given at start or
+        joined). A node group asks before it opens a link to a replica named by a request's
+        routes that it was not started with, so a frame cannot make it send tensors to an
+        address of the sender's choosing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -293,6 +325,11 @@ def add_WalkEventsServicer_to_server(servicer, server):
                     request_deserializer=mstar_dot_v1_dot_conductor__pb2.JoinRequest.FromString,
                     response_serializer=mstar_dot_v1_dot_conductor__pb2.JoinResponse.SerializeToString,
             ),
+            'CheckRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckRoute,
+                    request_deserializer=mstar_dot_v1_dot_conductor__pb2.CheckRouteRequest.FromString,
+                    response_serializer=mstar_dot_v1_dot_conductor__pb2.CheckRouteResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'mstar.v1.WalkEvents', rpc_method_handlers)
@@ -302,7 +339,9 @@ def add_WalkEventsServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WalkEvents:
-    """Internal: node groups report emits, fragment completion and failures.
+    """Internal: node groups report emits, fragment completion and failures. Served on the
+    conductor's internal port only (mutual TLS when the mesh has certificates), never on the
+    public port that clients, the gateway and Envoy reach.
     """
 
     @staticmethod
@@ -349,6 +388,33 @@ class WalkEvents:
             '/mstar.v1.WalkEvents/Join',
             mstar_dot_v1_dot_conductor__pb2.JoinRequest.SerializeToString,
             mstar_dot_v1_dot_conductor__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mstar.v1.WalkEvents/CheckRoute',
+            mstar_dot_v1_dot_conductor__pb2.CheckRouteRequest.SerializeToString,
+            mstar_dot_v1_dot_conductor__pb2.CheckRouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

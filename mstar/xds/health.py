@@ -9,17 +9,20 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mstar import tls as mtls
 from mstar.xds.targets import Endpoint
 
 
 class HealthChecker:
-    def __init__(self, timeout_s: float = 1.0):
+    def __init__(self, timeout_s: float = 1.0, tls: mtls.TLSSettings | None = None):
+        """``tls``: the mesh's certificate, for ``grpc-mtls`` targets (node groups behind mutual TLS)."""
         self.timeout_s = timeout_s
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._http: aiohttp.ClientSession | None = None
 
     async def check_all(self, endpoints: list[Endpoint]) -> dict[Endpoint, bool]:
-        live = {e.address for e in endpoints if e.health == "grpc"}
+        live = {e.address for e in endpoints if e.health != "http"}
         for address in set(self._channels) - live:  # endpoints that went away
             await self._channels.pop(address).close()
         results = await asyncio.gather(*(self.check(e) for e in endpoints))
@@ -42,7 +45,9 @@ class HealthChecker:
     async def _check_grpc(self, e: Endpoint) -> bool:
         ch = self._channels.get(e.address)
         if ch is None:
-            ch = self._channels[e.address] = grpc.aio.insecure_channel(e.address, options=[
+            if e.health == "grpc-mtls" and self.tls is None:
+                return False  # without the mesh's certificate its handshake fails anyway
+            ch = self._channels[e.address] = mtls.aio_channel(e.address, self.tls if e.health == "grpc-mtls" else None, [
                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
         resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
         return resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -34,7 +34,7 @@ def register(targets_dir: str | Path, name: str, cluster: str, address: str, hea
 
 class FrontProxy:
     def __init__(self, services: list[Service], host: str, envoy_port: int, *, python: str, log_level: str,
-                 request_timeout_s: float, max_inflight: int, poll_s: float = 1.0):
+                 request_timeout_s: float, max_inflight: int, poll_s: float = 1.0, tls_dir: str | None = None):
         try:  # refuse at once rather than have a process die at start
             envoy_binary()
         except EnvoyNotFound as e:
@@ -54,14 +54,15 @@ class FrontProxy:
             elif s.kind == "conductor":
                 register(self.targets, s.name, "conductor", s.address, "grpc")
             elif s.kind == "node_group":
-                register(self.targets, s.name, node_cluster(s.name), s.address, "grpc")
+                register(self.targets, s.name, node_cluster(s.name), s.address, "grpc-mtls" if tls_dir else "grpc")
         self.xds_address = f"{host}:{free_port(host)}"
         self.host = host
         self._admin_file = self.dir / "envoy-admin-address"
         self.xds = Service("xds", "xds", self.xds_address, [
             python, "-m", "mstar.xds", "--address", self.xds_address, "--targets", str(self.targets),
             "--listen", f"{host}:{envoy_port}", "--poll-interval", str(poll_s), "--log-level", log_level,
-            "--request-timeout", str(request_timeout_s), "--max-generate", str(max_inflight)])
+            "--request-timeout", str(request_timeout_s), "--max-generate", str(max_inflight),
+            *(["--tls-dir", tls_dir] if tls_dir else [])])
         self.envoy = Service("envoy", "envoy", f"{host}:{envoy_port}", [
             python, "-m", "mstar.xds.envoy", "--xds", self.xds_address, "--admin", f"{host}:0",
             "--admin-address-file", str(self._admin_file), "--bootstrap-out", str(self.dir / "bootstrap.yaml"),

@@ -95,6 +95,8 @@ def routes(cfg: ProxySettings) -> list[dict]:
     long = _s(cfg.request_timeout_s + 10)
     grpc = {"grpc": {}}
     return [
+        # the gateway's Prometheus page is for the scraper on the mesh's network, not the public port
+        {"name": "no-metrics", "match": {"path": "/metrics"}, "direct_response": {"status": 404}},
         {"name": "grpc-list-models", "match": {"path": "/mstar.v1.Conductor/ListModels", **grpc},
          "route": {"cluster": "conductor", "timeout": "10s",
                    "retry_policy": _retry(NEVER_SENT + ",reset,unavailable", per_try_s=5)}},
@@ -132,7 +134,7 @@ def listener(cfg: ProxySettings) -> dict:
 
 def build(health: dict[Endpoint, bool], cfg: ProxySettings) -> dict[str, dict[str, Message]]:
     """Every resource by type URL and name, for endpoints with their health."""
-    grpc_clusters = {"conductor"} | {e.cluster for e in health if e.health == "grpc"}
+    grpc_clusters = {"conductor"} | {e.cluster for e in health if e.health != "http"}
     logical = sorted({"gateway", "conductor"} | {e.cluster for e in health})
     clusters = [_cluster(c, c, c in grpc_clusters, cfg.max_requests, cfg) for c in logical]
     clusters += [_cluster("gateway-generate", "gateway", "gateway" in grpc_clusters, cfg.max_generate, cfg),

@@ -12,6 +12,7 @@ import signal
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from mstar import metrics
+from mstar import tls as mtls
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.xds.ads import AdsServicer, Snapshot
 from mstar.xds.health import HealthChecker
@@ -89,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0, help="longest generate call through Envoy, seconds")
     p.add_argument("--max-generate", type=int, default=256, help="concurrent generate calls per cluster (circuit breaker)")
     p.add_argument("--max-requests", type=int, default=1024, help="concurrent requests on other routes")
+    p.add_argument("--tls-dir", default=None, help="the mesh's certificates (mstar.tls), for health checks of "
+                   "'grpc-mtls' targets")
     p.add_argument("--log-level", default="INFO")
     metrics.add_metrics_arg(p)
     return p.parse_args(argv)
@@ -97,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     host, _, port = args.listen.rpartition(":")
     settings = ProxySettings(host.strip("[]"), int(port), args.request_timeout, args.max_generate, args.max_requests)
-    plane = ControlPlane(TargetSource(args.targets), settings, HealthChecker(args.health_timeout))
+    plane = ControlPlane(TargetSource(args.targets), settings, HealthChecker(args.health_timeout, mtls.load(args.tls_dir)))
     server = ControlPlaneServer(args.address, plane)
     if args.metrics_port is not None:
         log.info("xds metrics on port %d", metrics.serve_metrics(args.address, args.metrics_port))

@@ -1,7 +1,8 @@
 """What the control plane watches: service targets from JSON files, resolved to endpoints.
 
 A targets path is one JSON file or a directory of ``*.json`` files, each holding a list of
-``{"cluster": "gateway", "address": "host:port", "health": "http" | "grpc"}``. Files are
+``{"cluster": "gateway", "address": "host:port", "health": "http" | "grpc" | "grpc-mtls"}`` (``grpc-mtls``:
+the mesh's internal ports, checked with the control plane's ``--tls-dir`` certificate). Files are
 re-read whenever they change, so a service registers by adding a file (or a line) and
 deregisters by removing it. A host name resolves to every address it has (a compose service
 scaled to N replicas, a Kubernetes headless Service), each health-checked on its own.
@@ -18,7 +19,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-HEALTH_KINDS = ("http", "grpc")
+HEALTH_KINDS = ("http", "grpc", "grpc-mtls")
 
 
 class TargetsError(ValueError):
@@ -30,7 +31,7 @@ class Target:
     cluster: str
     host: str
     port: int
-    health: str  # "http": GET /health answers 200; "grpc": grpc.health.v1 reports SERVING
+    health: str  # "http": GET /health answers 200; "grpc" / "grpc-mtls": grpc.health.v1 reports SERVING
 
 
 @dataclass(frozen=True, order=True)

@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from mstar import metrics, nvtx
+from mstar import tls as mtls
 from mstar.config import Placement
 from mstar.env import settings
 from mstar.models.base import Model
@@ -37,6 +38,7 @@ from mstar.services.node_group.router import Router
 from mstar.services.node_group.schedule import Schedule
 from mstar.services.transport import Protocol
 from mstar.services.transport.location import local_location
+from mstar.v1 import conductor_pb2, conductor_pb2_grpc
 from mstar.v1 import node_group_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -46,15 +48,18 @@ K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrappe
 class NodeGroupRuntime:
     def __init__(self, group: str, model: Model, placement: Placement, peers: dict[str, str | list[str]],
                  conductor: str, protocol: Protocol, device: str = "cpu", cache_dir: str | None = None,
-                 tp: TPSpec | None = None):
-        """``tp``: rank 0's place in the group's tensor-parallel ranks (tp_size > 1)."""
+                 tp: TPSpec | None = None, tls: mtls.TLSSettings | None = None):
+        """``tp``: rank 0's place in the group's tensor-parallel ranks (tp_size > 1). ``tls``: the
+        mesh's mutual TLS for every link. ``conductor``: its internal (WalkEvents) address."""
         self.group, self.model, self.placement = group, model, placement
         self.router = Router(group, model, placement)
         self._wake = asyncio.Event()
         self.nodes = Nodes(model, placement, group, device, cache_dir, tp, self.router.local, self._wake.set)
         self.submodules, self.engines, self.drivers = self.nodes.submodules, self.nodes.engines, self.nodes.drivers
         self.location = local_location(group, device)
-        self.links = Links(group, protocol, self._on_link_down)
+        self.tls = tls
+        self._conductor_channel: grpc.aio.Channel | None = None  # CheckRoute calls
+        self.links = Links(group, protocol, self._on_link_down, tls=tls, check_route=self._check_route)
         for peer, address in peers.items():  # defaults for frames that carry no route
             if isinstance(address, list):
                 address = address[0] if len(address) == 1 else None
@@ -251,6 +256,25 @@ class NodeGroupRuntime:
         for rid in request_ids:
             self.fail(rid, grpc.StatusCode.UNAVAILABLE, f"node group '{self.group}': peer node group {reason}")
 
+    async def _check_route(self, group: str, address: str) -> str | None:
+        """Routes are untrusted input: a replica that only a frame's routes name gets this
+        request's tensors only once the conductor confirms it announced it (WalkEvents.CheckRoute)."""
+        if group not in self.placement.config.group_names:
+            return f"the routes name '{group}', which is not a node group of this placement"
+        if self._conductor_channel is None:
+            self._conductor_channel = mtls.aio_channel(self.links[CONDUCTOR].address, self.tls)
+        try:
+            resp = await conductor_pb2_grpc.WalkEventsStub(self._conductor_channel).CheckRoute(
+                conductor_pb2.CheckRouteRequest(group=group, address=address), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            return f"the conductor could not confirm this route: {e.code().name}: {e.details()}"
+        if resp.announced:
+            return None
+        return (f"the conductor never announced {address} as a replica of node group '{group}'; a frame's routes may "
+                f"only name replicas the conductor announced")
+
     async def close(self) -> None:
         await self.nodes.close()
         await self.links.close()
+        if self._conductor_channel is not None:
+            await self._conductor_channel.close()

@@ -15,6 +15,7 @@ import sys
 import grpc
 
 from mstar import env, metrics, nvtx
+from mstar import tls as mtls
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
 from mstar.ports import free_port
@@ -53,7 +54,7 @@ class NodeGroupServicer(node_group_pb2_grpc.NodeGroupServicer):
 
 class NodeGroupServer(ServerBase):
     def __init__(self, address: str, runtime: NodeGroupRuntime):
-        super().__init__(address, [node_group_pb2.DESCRIPTOR.services_by_name["NodeGroup"].full_name])
+        super().__init__(address, [node_group_pb2.DESCRIPTOR.services_by_name["NodeGroup"].full_name], runtime.tls)
         self.runtime = runtime
         add_checked(node_group_pb2_grpc.add_NodeGroupServicer_to_server, NodeGroupServicer(runtime), self.server)
         self._loop_task: asyncio.Task | None = None
@@ -87,11 +88,13 @@ def advertise(address: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def join_conductor(conductor: str, group: str, address: str, leave: bool = False, retry_s: float = 0.5) -> None:
-    """Offer this replica to the conductor (retrying until it answers), or withdraw it (once)."""
+async def join_conductor(conductor: str, group: str, address: str, leave: bool = False, retry_s: float = 0.5,
+                         tls: mtls.TLSSettings | None = None) -> None:
+    """Offer this replica to the conductor's internal port (retrying until it answers), or
+    withdraw it (once)."""
     fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                       ("grpc.max_reconnect_backoff_ms", 1000)]  # the conductor may start after us
-    async with grpc.aio.insecure_channel(conductor, options=fast_reconnect) as ch:
+    async with mtls.aio_channel(conductor, tls, fast_reconnect) as ch:
         stub = conductor_pb2_grpc.WalkEventsStub(ch)
         while True:
             try:
@@ -119,7 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "normally name the replicas they are pinned to)")
     p.add_argument("--advertise-address", default=None, help="host:port other services reach this replica at "
                    "(default: --address with its bound port; a wildcard host becomes this host's IP)")
-    p.add_argument("--conductor", required=True, help="conductor host:port (for walk events)")
+    p.add_argument("--conductor", required=True, help="the conductor's internal host:port (its --internal-address: "
+                   "WalkEvents)")
+    p.add_argument("--tls-dir", default=None, help=mtls.TLS_DIR_HELP)
     p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--port-file", metavar="PATH", help='write {"address", "port", "metrics_port"} as JSON to PATH '
                    "once serving (useful with port 0)")
@@ -213,6 +218,12 @@ def follow(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    try:
+        tls = mtls.load(args.tls_dir)
+        mtls.check_binds(tls, {"--address": args.address}, f"node group '{args.group}'")
+    except ValueError as e:
+        log.error("%s", e)
+        raise SystemExit(2) from None
     config = load_config(args.config)
     model = create_model(config.model, config.model_kwargs, args.cache_dir)
     placement = Placement(config, model)
@@ -222,7 +233,7 @@ async def serve(args: argparse.Namespace) -> None:
     followers = Followers(args, size) if size > 1 else None
     try:
         runtime = NodeGroupRuntime(args.group, model, placement, json.loads(args.peers), args.conductor,
-                                   protocol, args.device, args.cache_dir, followers.spec if followers else None)
+                                   protocol, args.device, args.cache_dir, followers.spec if followers else None, tls)
     except BaseException:
         if followers:
             for p in followers.procs:
@@ -247,7 +258,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    joining = loop.create_task(join_conductor(args.conductor, args.group, advertised))
+    joining = loop.create_task(join_conductor(args.conductor, args.group, advertised, tls=tls))
     failure: list[str] = []
 
     def lost(why: str) -> None:
@@ -261,7 +272,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("node group '%s' draining", args.group)
     runtime.links.drain()
     joining.cancel()
-    await join_conductor(args.conductor, args.group, advertised, leave=True)
+    await join_conductor(args.conductor, args.group, advertised, leave=True, tls=tls)
     if failure:  # an engine that cannot step (or would block on a dead rank): leave at once, the conductor fails its requests
         log.error("node group '%s': %s; stopping", args.group, failure[0])
         os._exit(1)

@@ -160,7 +160,8 @@ def test_transfer_device_and_mooncake_ports():
     name, ip = where
     first = _free_run(8)
     s = Served("serve", "toy", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING",
-               "--tcp-transfer-device", name, "--mooncake-port", str(first))
+               "--tcp-transfer-device", name, "--mooncake-port", str(first),
+               "--tls-dir", "auto")  # a non-loopback internal bind needs mutual TLS (issue 30)
     try:
         s.wait_ready(120)
         pids = s.children()

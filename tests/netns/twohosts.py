@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class TwoHosts:
         net = f"10.{200 + pid % 50}.{(pid // 50) % 250}"
         self.ip = {"a": f"{net}.1", "b": f"{net}.2"}
         self.procs: list[Proc] = []
+        self.cleanups: list = []  # run by stop_all (the mesh's TLS folder)
         self.logdir = Path(f"/tmp/mstar-twohosts-{self.tag}")
 
     # -- namespaces ----------------------------------------------------------------------
@@ -113,6 +115,9 @@ class TwoHosts:
                 p.popen.kill()
                 p.popen.wait()
         self.procs = []
+        for cleanup in self.cleanups:
+            cleanup()
+        self.cleanups = []
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ({p.host})\n{p.log.read_text()[-3000:]}" for p in self.procs if p.log.exists())
@@ -126,23 +131,29 @@ class TwoHosts:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     # -- the toy mesh over the two hosts ---------------------------------------------------
-    def start_mesh(self, config: str, protocol: str, ports=(7100, 7101, 7102), metrics_ports=(9100, 9101, 9102),
+    def start_mesh(self, config: str, protocol: str, ports=(7100, 7101, 7102, 7103), metrics_ports=(9100, 9101, 9102),
                    timeout_s: float = 60.0) -> dict:
         """Conductor + node group 'front' on host a, node group 'back' on host b. Returns
-        their addresses; waits until the conductor is ready (every group joined)."""
+        their addresses; waits until the conductor is ready (every group joined). Internal gRPC
+        crosses the link, so it runs with mutual TLS (a throwaway mesh certificate)."""
+        from mstar import tls as mtls
+
         a, b = self.ip["a"], self.ip["b"]
-        conductor = f"{a}:{ports[0]}"
+        conductor, internal = f"{a}:{ports[0]}", f"{a}:{ports[3]}"
+        tls_dir = str(mtls.write_mesh_ca(Path(tempfile.mkdtemp(prefix="mstar-twohosts-tls-")), [a, b]))
+        self.cleanups.append(lambda: shutil.rmtree(tls_dir, ignore_errors=True))
         py, lvl = sys.executable, ["--log-level", "INFO"]
-        common = ["--config", config, "--tensor-comm-protocol", protocol, *lvl]
+        common = ["--config", config, "--tensor-comm-protocol", protocol, "--tls-dir", tls_dir, *lvl]
         addrs = {"conductor": conductor, "front": f"{a}:{ports[1]}", "back": f"{b}:{ports[2]}"}
         metrics = {"conductor": f"http://{a}:{metrics_ports[0]}/metrics", "front": f"http://{a}:{metrics_ports[1]}/metrics",
                    "back": f"http://{b}:{metrics_ports[2]}/metrics"}
-        self.spawn("conductor", "a", [py, "-m", "mstar.conductor", "--address", conductor, "--groups", "{}",
+        self.spawn("conductor", "a", [py, "-m", "mstar.conductor", "--address", conductor, "--internal-address", internal,
+                                      "--groups", "{}",
                                       "--metrics-port", str(metrics_ports[0]), *common])
         self.spawn("front", "a", [py, "-m", "mstar.services.node_group", "--group", "front", "--address", addrs["front"],
-                                  "--conductor", conductor, "--metrics-port", str(metrics_ports[1]), *common])
+                                  "--conductor", internal, "--metrics-port", str(metrics_ports[1]), *common])
         self.spawn("back", "b", [py, "-m", "mstar.services.node_group", "--group", "back", "--address", addrs["back"],
-                                 "--conductor", conductor, "--metrics-port", str(metrics_ports[2]), *common])
+                                 "--conductor", internal, "--metrics-port", str(metrics_ports[2]), *common])
         ready = self.tool("a", "wait-ready", conductor, str(timeout_s), timeout=timeout_s + 10)
         if not ready["ok"]:
             raise RuntimeError(f"the two-host mesh did not become ready: {ready}\n{self.logs()}")

@@ -19,6 +19,7 @@ from helpers import stop_process
 
 READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 METRICS = re.compile(r"M\* metrics: (\{.*\})")
+SECURITY = re.compile(r"M\* security: internal gRPC ([\d.:]+) \((mutual TLS, (\S+)|PLAINTEXT[^)]*)\); API keys (\w+)")
 ENVOY = re.compile(r"M\* envoy: (http://[\d.:]+) \(REST and gRPC; admin (http://[\d.:]+); xDS ([\d.:]+); targets (\S+)\)")
 
 
@@ -29,6 +30,7 @@ class Launched:
         self.proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = self.grpc = self.envoy = self.envoy_admin = self.targets = None
+        self.internal = self.tls_dir = None  # the conductor's internal (WalkEvents) address; the mesh's TLS folder
         self.metrics: dict[str, str] = {}
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -48,6 +50,8 @@ class Launched:
                 continue
             if m := READY.search(line):
                 self.url, self.grpc = m.group(2), m.group(3)
+            elif m := SECURITY.search(line):
+                self.internal, self.tls_dir = m.group(1), m.group(3)
             elif m := METRICS.search(line):
                 self.metrics = json.loads(m.group(1))
                 if not envoy:
@@ -62,9 +66,10 @@ class Launched:
         return stop_process(self.proc, timeout=30)
 
 
-def http(method: str, url: str, body=None, timeout: float = 20.0) -> tuple[int, bytes]:
+def http(method: str, url: str, body=None, timeout: float = 20.0, headers: dict | None = None) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()

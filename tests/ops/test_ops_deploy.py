@@ -100,17 +100,25 @@ def test_compose_topology_runs_as_local_processes(tmp_path):
     except EnvoyNotFound as e:
         pytest.skip(f"the stack's Envoy cannot run here: {e}")
     deploy("compose", tmp_path)
+    # the secrets the deploy README has one make: the mesh's certificate and the API keys
+    subprocess.run([sys.executable, "-m", "mstar.cli", "tls", "init", str(tmp_path / "secrets" / "tls")], check=True,
+                   capture_output=True, timeout=60)
+    key = "compose-key-" + "k" * 20
+    (tmp_path / "secrets" / "api-keys").write_text(f"{key}\n")
+    bearer = {"authorization": f"Bearer {key}"}
     stack = LocalCompose(tmp_path)
     try:
         stack.up(timeout=90)
         envoy = stack.url("envoy", 10000)
         # Envoy is up before the control plane's next poll finds the gateway healthy
         wait_for(lambda: http("GET", f"{envoy}/health", timeout=5)[0] == 200, 20, "a healthy gateway behind Envoy")
-        status, body = http("POST", f"{envoy}/generate", {"model": "toy", "text": "compose"})
+        assert http("POST", f"{envoy}/generate", {"model": "toy", "text": "compose"})[0] == 401, "the stack needs a key"
+        status, body = http("POST", f"{envoy}/generate", {"model": "toy", "text": "compose"}, headers=bearer)
         assert status == 200 and json.loads(body)["outputs"]["text"]["text"] == "pbzcbfr"
         with grpc.insecure_channel(envoy.removeprefix("http://")) as ch:
             stub = conductor_pb2_grpc.ConductorStub(ch)
-            responses = list(stub.Generate(cpb.GenerateRequest(model="toy", text="abc"), timeout=20))
+            responses = list(stub.Generate(cpb.GenerateRequest(model="toy", text="abc"), timeout=20,
+                                           metadata=tuple(bearer.items())))
         assert "".join(c.text for r in responses for c in r.chunks if c.name == "text") == "nop"
         # the node groups speak TCP to each other by (mapped) DNS name; metrics on their metrics port
         decoder = scrape(f"{stack.url('node-decoder', 9100)}/metrics")

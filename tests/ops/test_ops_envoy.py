@@ -199,7 +199,7 @@ def serving(mesh, group: str) -> float:
 
 
 def test_node_group_replicas_join_fail_and_leave(mesh):
-    b = NodeGroupReplica(mesh.grpc, "decoder")
+    b = NodeGroupReplica(mesh.internal, "decoder")
     c = None
     try:
         # a second replica starts, joins the conductor by itself and is published to Envoy
@@ -227,7 +227,7 @@ def test_node_group_replicas_join_fail_and_leave(mesh):
 
         # replica c joins and takes traffic; then drains (SIGTERM): it leaves first, so nothing
         # is routed to it while it finishes
-        c = NodeGroupReplica(mesh.grpc, "decoder")
+        c = NodeGroupReplica(mesh.internal, "decoder")
         wait_for(lambda: serving(mesh, "decoder") == 2, 30, "the conductor to route to replica c")
         before = routed(mesh, "decoder")
         generate_via_envoy(mesh, 6)

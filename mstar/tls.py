@@ -1,0 +1,205 @@
+"""Mutual TLS between M*'s services: one settings object for every internal server and channel.
+
+The internal surfaces (the conductor's internal port with ``WalkEvents``, every node group's
+``NodeGroup``) serve TLS and require a client certificate signed by the mesh's CA; every channel
+between services presents the mesh's certificate and checks the peer's against the same CA.
+A mesh shares one CA; its certificate names ``SERVER_NAME`` (DNS SAN), and channels verify that
+name whatever address they dial (``grpc.ssl_target_name_override``): node-group replicas join
+with whatever IP their container has, which no certificate made in advance could list.
+
+Without TLS every internal bind must be loopback (development): ``check_binds`` refuses the rest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+#: the name every mesh certificate carries and every internal channel verifies
+SERVER_NAME = "mstar.internal"
+FILES = ("ca.pem", "cert.pem", "key.pem")
+TLS_DIR_HELP = ("directory with ca.pem (the mesh's CA), cert.pem and key.pem (this service's certificate, for DNS name "
+                f"'{SERVER_NAME}', and its key): internal gRPC (WalkEvents, NodeGroup) then uses mutual TLS. Without "
+                "it internal gRPC is plaintext and allowed only on loopback")
+
+
+class TLSError(ValueError):
+    """A TLS directory that cannot be used, or plaintext on a non-loopback address."""
+
+
+@dataclass(frozen=True)
+class TLSSettings:
+    ca: bytes = field(repr=False)
+    cert: bytes = field(repr=False)
+    key: bytes = field(repr=False)
+    source: str = ""  # where they were read (for messages)
+    server_name: str = SERVER_NAME
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> TLSSettings:
+        d = Path(path).expanduser()
+        if not d.is_dir():
+            raise TLSError(f"--tls-dir {path}: not a directory; it must hold {', '.join(FILES)} "
+                           f"(`mstar tls init {path}` makes a CA and a certificate there)")
+        missing = [f for f in FILES if not (d / f).is_file()]
+        if missing:
+            raise TLSError(f"--tls-dir {path}: missing {', '.join(missing)} (it must hold {', '.join(FILES)}; "
+                           f"`mstar tls init {path}` makes them)")
+        ca, cert, key = ((d / f).read_bytes() for f in FILES)
+        return cls(ca, cert, key, str(d))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Serve TLS; a client without a certificate signed by the mesh's CA is refused in the handshake."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+
+def load(tls_dir: str | None) -> TLSSettings | None:
+    return None if not tls_dir else TLSSettings.from_dir(tls_dir)
+
+
+def aio_channel(address: str, tls: TLSSettings | None, options=()) -> grpc.aio.Channel:
+    """An internal channel: mutual TLS with ``tls``, else plaintext (loopback development)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
+
+
+def sync_channel(address: str, tls: TLSSettings | None, options=()) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
+
+
+def add_port(server, address: str, tls: TLSSettings | None) -> int:
+    """Bind ``address`` on a grpc server, with mutual TLS when ``tls`` is given (0: bind failed)."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.server_credentials())
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def check_binds(tls: TLSSettings | None, addresses: dict[str, str], who: str) -> None:
+    """Internal gRPC without TLS only on loopback: raise TLSError naming what binds elsewhere;
+    on loopback, warn loudly (any local process can join the mesh or inject frames)."""
+    if tls is not None:
+        return
+    exposed = {what: a for what, a in addresses.items() if not is_loopback(host_of(a))}
+    if exposed:
+        listed = ", ".join(f"{what} {a}" for what, a in exposed.items())
+        raise TLSError(f"{who}: refusing plaintext internal gRPC on a non-loopback address ({listed}): anyone who reaches "
+                       f"it could join the mesh and read every request. Pass --tls-dir DIR (a mesh CA and certificate; "
+                       f"`mstar tls init DIR` makes them; `mstar serve --tls-dir auto` makes a throwaway one), or bind "
+                       f"127.0.0.1")
+    log.warning("%s: internal gRPC WITHOUT TLS on loopback (development only): any local process can join this mesh "
+                "or send it frames; pass --tls-dir for mutual TLS", who)
+
+
+# -- making a CA and a mesh certificate (the `cryptography` package) -----------------------------
+def write_mesh_ca(directory: str | Path, hosts: list[str] = (), days: int = 365) -> Path:
+    """Write a fresh CA and one certificate for the whole mesh into ``directory`` (ca.pem,
+    cert.pem, key.pem, plus ca-key.pem to sign more): the certificate names ``SERVER_NAME``,
+    localhost, 127.0.0.1 and ``hosts``, and serves as both server and client certificate.
+    Returns the directory. Files are written owner-only."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = make_ca()
+    key, cert = issue(ca_key, ca_cert, hosts, days)
+    _write(d / "ca.pem", ca_cert)
+    _write(d / "ca-key.pem", _key_pem(ca_key))
+    _write(d / "cert.pem", cert)
+    _write(d / "key.pem", _key_pem(key))
+    return d
+
+
+def make_ca(name: str = "M* mesh CA", days: int = 365):
+    """(private key, certificate PEM) of a new self-signed CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, _cert_pem(cert)
+
+
+def issue(ca_key, ca_cert_pem: bytes, hosts: list[str] = (), days: int = 365):
+    """(private key, certificate PEM) signed by the CA, for ``SERVER_NAME`` + localhost + 127.0.0.1 + ``hosts``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for h in dict.fromkeys([SERVER_NAME, "localhost", "127.0.0.1", *hosts]):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return key, _cert_pem(cert)
+
+
+def _cert_pem(cert) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _key_pem(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
