@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from mstar.client.messages import ChatInput, chat_from_messages
+from mstar.client.types import pcm16_wav
 from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request
 from mstar.gateway.generate import SETTINGS
@@ -54,7 +55,7 @@ from mstar.gateway.oai.call import (
     sse,
     to_api_error,
 )
-from mstar.gateway.oai.media import media_files, wav
+from mstar.gateway.oai.media import media_files
 from mstar.gateway.oai.params import (
     ARRAY,
     BOOL,
@@ -234,7 +235,7 @@ async def _complete(call, first, head: dict, output: str, audio: AudioOut | None
     text = "".join(parts)
     message: dict = {"role": "assistant", "content": text, "refusal": None}
     if audio is not None:
-        data = wav(bytes(pcm), rate or PCM16_RATE) if audio.format == "wav" else bytes(pcm)
+        data = pcm16_wav(bytes(pcm), rate or PCM16_RATE) if audio.format == "wav" else bytes(pcm)
         message["content"] = None  # OpenAI's shape: the text is the audio's transcript
         message["audio"] = {"id": audio.id, "data": base64.b64encode(data).decode("ascii"),
                             "expires_at": head["created"], "transcript": text}

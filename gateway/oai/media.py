@@ -5,9 +5,7 @@ width and height, PCM16 becomes WAV. Everything wrong is a 400 naming the field 
 
 from __future__ import annotations
 
-import io
 import re
-import wave
 from collections.abc import Sequence
 
 from mstar.client.messages import MediaPart
@@ -51,14 +49,3 @@ def parse_size(value: str, param: str = "size") -> tuple[int, int] | None:
     if m is None:
         raise bad_request(param, f"{param}: must be 'auto' or WIDTHxHEIGHT in pixels (e.g. '1024x768'), got {value!r}")
     return int(m.group(1)), int(m.group(2))
-
-
-def wav(pcm: bytes, sample_rate_hz: int) -> bytes:
-    """A mono PCM16 WAV file holding ``pcm``."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate_hz)
-        w.writeframes(pcm)
-    return buf.getvalue()
