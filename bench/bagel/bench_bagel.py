@@ -180,6 +180,8 @@ async def one(stub, req) -> dict:
                 tokens += len(c.token_ids)
             elif c.name == "image":
                 image += c.data
+        if r.HasField("final"):  # every decoded token, text or not (random weights' ids may decode to nothing)
+            tokens = r.final.usage.completion_tokens
     return {"total_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens, "image": image}
 
 
@@ -266,14 +268,18 @@ def served(args, kwargs: dict, png: bytes) -> dict:
                 out[f"t2i_{size}"] = statistics.median([(await one(stub, request(PROMPT, kw)))["total_s"]
                                                         for _ in range(args.reps)])
             out["edit"] = (await one(stub, request("make it blue", {"mode": "edit", "steps": args.steps, "seed": 1}, png)))["total_s"]
+            # time to first token as the reference's is timed: a one-token answer (ViT, prefill, one
+            # decode step); throughput: max_tokens decoded by every request (ignore_eos), c at once
+            first_token = {"mode": "understand", "max_tokens": 1}
+            answer = {"mode": "understand", "max_tokens": args.max_tokens, "ignore_eos": True}
+            await one(stub, request("describe the image", answer, png))
             for c in args.concurrency:
-                kw = {"mode": "understand", "max_tokens": args.max_tokens}
-                await one(stub, request("describe the image", kw, png))
+                res = await asyncio.gather(*(one(stub, request("describe the image", first_token, png)) for _ in range(c)))
                 t0 = time.perf_counter()
-                res = await asyncio.gather(*(one(stub, request("describe the image", kw, png)) for _ in range(c)))
+                done = await asyncio.gather(*(one(stub, request("describe the image", answer, png)) for _ in range(c)))
                 wall = time.perf_counter() - t0
-                out[f"understand_c{c}"] = {"ttft_median_s": statistics.median(r["ttft_s"] or wall for r in res),
-                                           "tokens_per_s": sum(r["tokens"] for r in res) / wall}
+                out[f"understand_c{c}"] = {"ttft_median_s": statistics.median(r["total_s"] for r in res),
+                                           "tokens": sum(r["tokens"] for r in done), "tokens_per_s": sum(r["tokens"] for r in done) / wall}
         return out
     return asyncio.run(go())
 
@@ -419,8 +425,11 @@ def reference(args, ckpt: Path, png_image) -> dict:
     und = dict(understanding_output=True, do_sample=False)
     out["understand_ttft"] = timed(lambda: inf(image=png_image, text="describe the image", max_think_token_n=2, **und),
                                    dev, args.reps, args.warmup)
+    decode_text = model.generate_text  # as ignore_eos: no end token, so every answer is max_tokens long
+    model.generate_text = lambda *a, **k: decode_text(*a, **{**k, "end_token_id": -1})
     one_answer = timed(lambda: inf(image=png_image, text="describe the image", max_think_token_n=args.max_tokens + 1, **und),
                        dev, args.reps, args.warmup)
+    model.generate_text = decode_text
     out["understand_tokens_per_s"] = args.max_tokens / one_answer["median_s"]  # one request at a time, any concurrency
     del model, vae
     return out

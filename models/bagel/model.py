@@ -92,7 +92,8 @@ class BagelModel(Model):
                 GraphEdge("vae_encoder", "llm", "latent"), GraphEdge("vae_encoder", "llm", "latent_hw"), *ctx]),
             Walk("export_kv", "llm", [GraphEdge(INPUT, "llm", "labels"), *handoff]),
             Walk("decode", Loop("llm", MAX_NEW_TOKENS, stop_node="llm", name="decode"), [
-                GraphEdge(INPUT, "llm", "token"), GraphEdge(INPUT, "llm", "max_new"), GraphEdge("llm", "llm", "token"),
+                GraphEdge(INPUT, "llm", "token"), GraphEdge(INPUT, "llm", "max_new"), GraphEdge(INPUT, "llm", "stop_eos"),
+                GraphEdge("llm", "llm", "token"),
                 GraphEdge("llm", EMIT_TO_CLIENT, "text", modality=Modality.TEXT)]),
         ]
         if not cfg_par:
@@ -212,7 +213,8 @@ class BagelModel(Model):
         if block.kind in ("decode", "think"):
             d["ids"], d["sent"] = [], ""
             limit = d["kw"]["max_tokens" if block.kind == "decode" else "think_max_tokens"]
-            return WalkSeed("decode", {"token": torch.tensor([self._cfg.tokens.bos]), "max_new": torch.tensor([limit])})
+            return WalkSeed("decode", {"token": torch.tensor([self._cfg.tokens.bos]), "max_new": torch.tensor([limit]),
+                                       "stop_eos": torch.tensor([0 if d["kw"]["ignore_eos"] else 1])})
         from mstar.models.bagel.conductor import noise
 
         params = flow_params(d["kw"], *d["size"])

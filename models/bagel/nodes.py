@@ -212,7 +212,8 @@ class LLMNode(_LMNode):
     def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:
         if call.walk == "decode":
             token = int(outputs["token"][0])
-            return token == self.eos or call.iteration + 1 >= int(call.inputs["max_new"][0])
+            at_eos = token == self.eos and bool(call.inputs["stop_eos"][0])
+            return at_eos or call.iteration + 1 >= int(call.inputs["max_new"][0])
         if call.walk == "image_gen":
             return call.iteration + 1 >= len(flow_of(call)[1])
         return False

@@ -47,6 +47,8 @@ class BagelRequest(Knobs):
     n: int = Field(1, ge=1, le=16, description="images from the same context")
     max_tokens: int = Field(512, ge=1, le=MAX_NEW_TOKENS, description="understanding: tokens decoded at most")
     think_max_tokens: int = Field(1024, ge=1, le=MAX_NEW_TOKENS, description="think mode: plan tokens at most")
+    ignore_eos: bool = Field(False, description="decode max_tokens (think_max_tokens) tokens whatever is sampled, "
+                                                "end-of-text included (benchmarks; the text still ends there)")
 
     RENAMED = {"num_timesteps": "M* calls it steps", "num_inference_steps": "M* calls it steps",
                "cfg_text_scale": "M* calls it cfg_text", "cfg_img_scale": "M* calls it cfg_img",

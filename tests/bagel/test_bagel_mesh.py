@@ -82,10 +82,20 @@ def test_requests_through_the_mesh_match_the_reference(bagel_cache, reference, c
 
     async def go():
         async with inprocess_mesh(mesh_config(config, meta), cache_dir=bagel_cache) as mesh:
-            res = await asyncio.gather(*(collect(mesh.stub, scenario_request(meta, n), timeout=60) for n in scenarios))
-            for name, (out, final) in zip(scenarios, res, strict=True):
+            reqs = [scenario_request(meta, n) for n in scenarios]
+            if config == "default":  # ignore_eos: max_tokens tokens decoded whatever is sampled, the text as before
+                understand = scenario_request(meta, "understand")
+                kw = {**json.loads(understand.model_kwargs_json), "max_tokens": 40, "ignore_eos": True}
+                understand.model_kwargs_json = json.dumps(kw)
+                reqs.append(understand)
+            res = await asyncio.gather(*(collect(mesh.stub, r, timeout=60) for r in reqs))
+            for name, (out, final) in zip(scenarios, res, strict=False):
                 check(name, meta, tensors, out)
                 assert final.usage.prompt_tokens > 0
+            if config == "default":
+                out, final = res[-1]
+                assert final.usage.completion_tokens == 40
+                assert "".join(c.text for c in out["text"]).startswith(meta["scenarios"]["understand"]["text"])
             await wait_released(mesh)
             for s in mesh.groups.values():
                 for sub in s.runtime.submodules.values():

@@ -171,8 +171,12 @@ def test_transfer_device_and_mooncake_ports():
         conductor = cmdline(pids["conductor"])
         assert conductor[conductor.index("--address") + 1].startswith("127.0.0.1:")  # --host keeps the public ports
         relay(s.url)
-        listening = _listening_ports()
-        # the groups bind a non-loopback address, so each starts an engine; the conductor (127.0.0.1) does not
+        # the groups bind a non-loopback address, so each starts an engine; the conductor (127.0.0.1) does
+        # not. An engine opens its listeners on its own threads: waited for (bounded), as a loaded machine
+        # may be slow to
+        deadline = time.monotonic() + 20
+        while not set(range(first, first + 6)) <= (listening := _listening_ports()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert set(range(first, first + 6)) <= listening, sorted(p for p in listening if first <= p < first + 8)
         assert not {first + 6, first + 7} & listening
     finally:
