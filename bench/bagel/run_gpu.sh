@@ -4,7 +4,10 @@
 #   bash bench/bagel/run_gpu.sh OUTDIR [smoke]
 # .gpuwheels/: the cp312 wheels the GPU image lacks (bench/orpheus/run_gpu.sh's list without py-spy and
 #   snac, plus pydantic, pydantic-core, annotated-types, typing-inspection, pillow).
-# .ref/bagel: the public reference tree (github.com/ByteDance-Seed/Bagel; only read, never vendored);
+# .ref/bagel: the public reference tree as published (github.com/ByteDance-Seed/Bagel; only read, never
+#   vendored): `git -C MIRROR archive HEAD inferencer.py modeling data | tar -x -C .ref/bagel` (056b5fd). Not
+#   the tests' copy, whose bf16 casts are removed for fp32 (tests/bagel/data/README.md): in bf16 that one
+#   writes fp32 keys into its bf16 cache;
 # .ref/wheels: transformers 4.49.0, tokenizers 0.21.4, huggingface-hub 0.36.2, einops 0.8.2, accelerate 1.6.0,
 #   psutil — the reference is written for transformers 4.49 (and loads through accelerate's dispatch), so it
 #   runs in its own process with those first on the path.
