@@ -9,7 +9,10 @@ sums: same error order as TP=1, not a looser bar)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -141,6 +144,37 @@ def test_tp2_greedy_tokens_and_talker_rows_equal_tp1(tp2, parts):
     assert want["talker_rows"].keys() == tp2["talker_rows"].keys() == {"text0", "text1", "audio"}
     for rid, rows in want["talker_rows"].items():
         torch.testing.assert_close(tp2["talker_rows"][rid], rows, atol=1e-5, rtol=1e-5)
+
+
+@dataclass(frozen=True)
+class RankOnly:
+    """A rank for loading weights only (no process group)."""
+
+    rank: int
+    size: int
+
+
+@pytest.mark.parametrize("weights", ["checkpoint", "random"])
+def test_each_rank_loads_its_slices(checkpoint, tmp_path, weights):
+    """Every parameter of a rank is its slice of TP=1's (safetensors slices read; the random
+    weights a full-size benchmark makes on load, sliced the same way)."""
+    from mstar.models.qwen3_omni.direct import load_parts
+    from mstar.models.qwen3_omni.weights import RANDOM_MARKER
+
+    d = checkpoint
+    if weights == "random":
+        shutil.copy(f"{checkpoint}/config.json", tmp_path / "config.json")
+        (tmp_path / RANDOM_MARKER).write_text(json.dumps({"seed": 5, "std": 0.1}))
+        d = str(tmp_path)
+    full = load_parts(d, parts=("thinker",))
+    want = full.thinker.state_dict()
+    for rank in (0, 1):
+        shard = ThinkerShard(full.cfg.text, rank, 2)
+        got = load_parts(d, parts=("thinker",), tp=RankOnly(rank, 2)).thinker.state_dict()
+        assert got.keys() == want.keys()
+        for name, t in got.items():
+            cut = shard.split(name)
+            assert torch.equal(t, want[name] if cut is None else want[name].narrow(cut[0], cut[1], cut[2] - cut[1])), name
 
 
 def test_shapes_that_do_not_split_are_refused_and_kv_heads_replicate(parts):
