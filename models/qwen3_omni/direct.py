@@ -49,7 +49,8 @@ class Parts:
 
 
 def load_parts(directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               parts: tuple[str, ...] = ("thinker", "talker", "code2wav", "audio", "vision")) -> Parts:
+               parts: tuple[str, ...] = ("thinker", "talker", "code2wav", "audio", "vision"), tp=None) -> Parts:
+    """``tp``: a ``TensorParallel`` rank: the Thinker is this rank's shard (``thinker_tp.py``)."""
     reader = CheckpointReader(directory)
     cfg = OmniConfig.parse(reader.config())
     p = Parts(cfg, reader, device, dtype)
@@ -59,9 +60,17 @@ def load_parts(directory: str | Path, device: str = "cpu", dtype: torch.dtype = 
              "vision": (lambda: VisionEncoder(cfg.vision), "thinker.visual.")}
     for name in parts:
         make, prefix = build[name]
+        shard = None
+        if tp is not None and tp.size > 1 and name == "thinker":
+            from mstar.models.qwen3_omni.thinker_tp import ThinkerShard, sharded_thinker
+
+            shard = ThinkerShard(cfg.text, tp.rank, tp.size)
+            make = lambda s=shard: sharded_thinker(s, tp)  # noqa: E731
+        elif tp is not None and tp.size > 1:
+            raise ValueError(f"qwen3_omni part '{name}' does not run tensor-parallel (only the Thinker does)")
         with torch.device("meta"):  # parameters without memory; buffers are made on the CPU
             module = make()
-        load_module(module, reader, prefix, dtype=dtype, device=device)
+        load_module(module, reader, prefix, dtype=dtype, device=device, shard=shard)
         setattr(p, name, module.eval())
     return p
 

@@ -131,7 +131,8 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.zeros(experts, hidden, inner))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, path: str = "auto") -> torch.Tensor:
-        """x [T, H], index/weight [T, k] -> sum_k weight * expert_k(x)."""
+        """x [T, H], index/weight [T, k] -> sum_k weight * expert_k(x). An index equal to the
+        number of experts here is another rank's expert (tensor parallelism): that pair adds 0."""
         t, k = index.shape
         if path == "auto":
             path = "grouped_mm" if grouped_mm_ok(*self.down.shape[1:], dtype=x.dtype, device=x.device) else \
@@ -139,10 +140,12 @@ class Experts(nn.Module):
         if path == "grouped_mm":
             return self._grouped_mm(x, index, weight)
         if path == "gather":
-            flat = index.reshape(-1)
+            n = self.gate_up.shape[0]
+            flat = index.reshape(-1).clamp(max=n - 1)
             xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
             gate, up = torch.bmm(self.gate_up[flat], xs)[..., 0].chunk(2, dim=-1)
             y = torch.bmm(self.down[flat], (F.silu(gate) * up)[:, :, None])[..., 0]
+            weight = torch.where(index < n, weight, 0)
             return (y.view(t, k, -1) * weight[..., None].to(y.dtype)).sum(1)
         return self._loop(x, index, weight)
 
@@ -150,12 +153,15 @@ class Experts(nn.Module):
         t, k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
+        n = self.gate_up.shape[0]
+        # one bin past the experts: other ranks' pairs sort last, past every group's rows
+        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts[:n], 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
         token = order // k
         gate, up = torch._grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down.transpose(1, 2), offs=offs)
-        scaled = y * weight.reshape(-1)[order, None].to(y.dtype)
+        mine = (flat[order] < n)[:, None]  # rows past the last offset are not computed: never read them
+        scaled = torch.where(mine, y * weight.reshape(-1)[order, None].to(y.dtype), 0)
         return torch.zeros_like(x).index_add_(0, token, scaled)
 
     def _loop(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -164,10 +170,10 @@ class Experts(nn.Module):
         t, k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0] + 1).tolist()[:-1]  # last: other ranks'
         token = order // k
         xs = x[token]
-        out = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)
+        out = torch.zeros((t * k, x.shape[1]), dtype=x.dtype, device=x.device)
         at = 0
         for e, c in enumerate(counts):
             if c == 0:
@@ -193,13 +199,17 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
         self.path = "auto"  # one of MOE_PATHS (tests pin one)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        y = self.experts(x, index, top.to(logits.dtype), self.path)
+        return index, top.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.experts(x, *self.route(x), self.path)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # type: ignore[misc]
         return y

@@ -34,16 +34,22 @@ class ThinkerNode(EngineNode):
 
     def __init__(self, checkpoint: Path, ctx: NodeContext, max_seq_len: int):
         kw = OmniServeConfig.parse(ctx.model_kwargs)
-        p = load_parts(checkpoint, ctx.device, dtype_of(ctx), ("thinker",))
+        tp = None
+        if ctx.tp is not None:  # tp_size > 1: every rank builds this node; ranks past 0 then follow
+            from mstar.services.engines.tensor_parallel import TensorParallel
+
+            tp = self.tensor_parallel = TensorParallel(ctx.tp, ctx.device)
+        p = load_parts(checkpoint, ctx.device, dtype_of(ctx), ("thinker",), tp=tp)
         self.cfg, self.thinker = p.cfg, p.thinker
         assert self.thinker is not None
         self.engine = ThinkerEngine(self.thinker, p.cfg.accept_hidden_layer, kw.max_num_seqs, max_seq_len,
-                                    kw.max_prefill_tokens)
+                                    kw.max_prefill_tokens, tp=tp)
         with torch.inference_mode():
             self.tts_eos = self.thinker.embed(torch.tensor([p.cfg.ids.tts_eos], device=ctx.device)).float().cpu()
         self.stop = (p.cfg.ids.im_end,)
         self.no_rows = torch.zeros(0, p.cfg.text.hidden_size)
-        log.info("qwen3-omni thinker loaded from %s on %s", checkpoint, ctx.device)
+        log.info("qwen3-omni thinker loaded from %s on %s%s", checkpoint, ctx.device,
+                 f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp is not None else "")
 
     def prepare(self, call: NodeCall) -> ThinkerStart | None:
         if call.walk != "prefill":

@@ -6,10 +6,16 @@ embeddings, DeepStack rows, M-RoPE positions) and decodes every other running se
 batched pass. Each output carries, besides the sampled token, the embedding of the token the
 step read (what the Talker's text stream is made of) and, for a prefill, the rows the Talker's
 prompt needs (token embeddings, or the ``accept_hidden_layer`` state for media rows).
+
+Tensor-parallel (``tp``, a model from ``thinker_tp.py``): rank 0 is this engine, scheduling and
+sampling; the other ranks ``follow``. Each pass (``_prefill_pass``, ``_decode_pass``) is sent to
+them as its host inputs (token ids, media rows, positions, slots, lengths) over the command
+group and run on every rank, each over its own slot cache of its KV heads.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,6 +27,8 @@ from mstar.models.qwen3_omni.positions import decode_positions
 from mstar.models.qwen3_omni.sampling import Sampling, sample
 from mstar.models.qwen3_omni.thinker import Thinker
 from mstar.services.engines.sequence import SeqStatus
+
+log = logging.getLogger(__name__)
 
 
 class OmniOut(NamedTuple):
@@ -67,9 +75,10 @@ class _Seq:
 
 class ThinkerEngine:
     def __init__(self, model: Thinker, capture_layer: int, max_num_seqs: int, max_seq_len: int,
-                 max_prefill_tokens: int = 8192):
+                 max_prefill_tokens: int = 8192, tp=None):
         """``max_prefill_tokens``: prompts admitted in one step add up to at most this many tokens
-        (one longer prompt still goes alone)."""
+        (one longer prompt still goes alone). ``tp``: this process's ``TensorParallel`` rank."""
+        self.tp = tp if tp is not None and tp.size > 1 else None
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         c = model.cfg
@@ -138,39 +147,81 @@ class ThinkerEngine:
         return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
 
     def close(self) -> None:
-        pass
+        if self.tp is not None and self.tp.leader:
+            self.tp.send(("stop",))  # the followers' last command
 
     def follow(self) -> None:
-        raise TypeError("the Thinker engine does not run tensor-parallel")
+        """A rank past 0: run the leader's passes until its ``close``."""
+        if self.tp is None or self.tp.leader:
+            raise RuntimeError("follow() is for tensor-parallel ranks past 0")
+        with torch.inference_mode():
+            while True:
+                command = self.tp.receive()
+                if command[0] == "stop":
+                    return
+                try:
+                    getattr(self, command[0])(*command[1])
+                except Exception:  # the leader's pass failed the same way (same inputs): keep following
+                    log.exception("tensor-parallel rank %d: a mirrored Thinker pass failed", self.tp.rank)
+
+    def _mirrored(self, name: str, *args):
+        """Run pass ``name`` here and, under tensor parallelism, on every follower."""
+        if self.tp is not None:
+            self.tp.send((name, args))
+        return getattr(self, name)(*args)
 
     def exit_reason(self) -> str | None:
         return None
 
     # -- passes ------------------------------------------------------------------------------
     def _inputs(self, s: _Seq) -> tuple:
-        """(prompt embeddings, positions, DeepStack (rows, features) or None) of one sequence."""
+        """(prompt ids, media rows, positions, DeepStack (rows, features) or None) of one sequence,
+        checked here (a bad one fails alone, before any rank runs the pass)."""
         w = s.work
-        ids = w.prompt_ids.to(self.device)
-        deep = self.model.deepstack_rows(ids, w.visual_ids, [d.to(self.device, self.dtype) for d in w.deepstack])
+        for token, rows in w.media.items():
+            n = int((w.prompt_ids == token).sum())
+            if rows.ndim != 2 or rows.shape[1] != self.model.cfg.hidden_size:
+                raise ValueError(f"media rows of id {token} have shape {tuple(rows.shape)}, expected [n, {self.model.cfg.hidden_size}]")
+            if n != rows.shape[0]:
+                raise ValueError(f"{n} placeholders of id {token}, {rows.shape[0]} media rows")
+        deep = self.model.deepstack_rows(w.prompt_ids, w.visual_ids, list(w.deepstack))
         if deep is not None and any(f.shape[0] != deep[0].numel() for f in deep[1]):
             raise ValueError(f"{deep[0].numel()} visual placeholders, DeepStack rows {[f.shape[0] for f in deep[1]]}")
-        return self.model.prompt_embeds(ids, w.media), w.positions.to(self.device), deep
+        return w.prompt_ids, w.media, w.positions, deep
+
+    def _prefill_pass(self, inputs: list[tuple], slots: list[int], capture: int | None):
+        """Prompts [(ids, media, positions, deep)] -> (their last rows' logits, embeddings,
+        captured layer, each prompt's first row)."""
+        lengths = [inp[0].numel() for inp in inputs]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        dev = self.device
+        embeds = torch.cat([self.model.prompt_embeds(ids.to(dev), media) for ids, media, _, _ in inputs])
+        positions = torch.cat([inp[2] for inp in inputs], dim=1).to(dev)
+        deep_rows = [inp[3][0].to(dev) + at for inp, at in zip(inputs, starts, strict=True) if inp[3] is not None]
+        deep_feats = [inp[3][1] for inp in inputs if inp[3] is not None]
+        deep = (torch.cat(deep_rows), [torch.cat(f).to(dev, self.dtype) for f in zip(*deep_feats, strict=True)]) \
+            if deep_rows else None
+        ctx = PrefillBatch(self.cache, slots, lengths, dev)
+        hidden, captured = self.model(embeds, positions, ctx, capture, deep)
+        last = torch.tensor([a + n - 1 for a, n in zip(starts, lengths, strict=True)], device=dev)
+        return self.model.logits(hidden[last]), embeds, captured, starts
+
+    def _decode_pass(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
+        """One new token per sequence -> (logits, the tokens' embeddings)."""
+        dev = self.device
+        embeds = self.model.embed(ids.to(dev))
+        ctx = Decode(self.cache, torch.tensor(slots, device=dev), torch.tensor(lengths, device=dev), max(lengths) + 1)
+        hidden, _ = self.model(embeds, positions.to(dev), ctx)
+        return self.model.logits(hidden), embeds
 
     def _prefill(self, batch: list[tuple[_Seq, tuple]]) -> list[OmniOut]:
         """Every admitted prompt in one pass (one attention call per layer over the padded batch)."""
         seqs = [s for s, _ in batch]
-        lengths = [inp[0].shape[0] for _, inp in batch]
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        embeds = torch.cat([inp[0] for _, inp in batch])
-        positions = torch.cat([inp[1] for _, inp in batch], dim=1)
-        deep_rows = [inp[2][0] + at for (_, inp), at in zip(batch, starts, strict=True) if inp[2] is not None]
-        deep_feats = [inp[2][1] for _, inp in batch if inp[2] is not None]
-        deep = (torch.cat(deep_rows), [torch.cat(f) for f in zip(*deep_feats, strict=True)]) if deep_rows else None
         capture = self.capture if any(s.work.talker_rows is not None for s in seqs) else None
-        ctx = PrefillBatch(self.cache, [s.slot for s in seqs], lengths, self.device)
-        hidden, captured = self.model(embeds, positions, ctx, capture, deep)
-        last = torch.tensor([a + n - 1 for a, n in zip(starts, lengths, strict=True)], device=self.device)
-        tokens = self._sample(self.model.logits(hidden[last]), seqs).tolist()
+        logits, embeds, captured, starts = self._mirrored("_prefill_pass", [inp for _, inp in batch],
+                                                          [s.slot for s in seqs], capture)
+        tokens = self._sample(logits, seqs).tolist()
+        lengths = [inp[0].numel() for _, inp in batch]
         outs = []
         for s, at, n, t in zip(seqs, starts, lengths, tokens, strict=True):
             s.length = n
@@ -184,14 +235,10 @@ class ThinkerEngine:
         return outs
 
     def _decode(self, seqs: list[_Seq]) -> list[OmniOut]:
-        ids = torch.tensor([s.last for s in seqs], device=self.device)
-        embeds = self.model.embed(ids)
+        ids = torch.tensor([s.last for s in seqs])
         pos = torch.cat([decode_positions(s.work.prompt_ids.numel(), s.work.delta, 1, s.outputs - 1) for s in seqs], 1)
-        lengths = [s.length for s in seqs]
-        ctx = Decode(self.cache, torch.tensor([s.slot for s in seqs], device=self.device),
-                     torch.tensor(lengths, device=self.device), max(lengths) + 1)
-        hidden, _ = self.model(embeds, pos.to(self.device), ctx)
-        tokens = self._sample(self.model.logits(hidden), seqs).tolist()
+        logits, embeds = self._mirrored("_decode_pass", ids, pos, [s.slot for s in seqs], [s.length for s in seqs])
+        tokens = self._sample(logits, seqs).tolist()
         rows = embeds.float().cpu()  # the Talker's text rows: one copy for the step
         outs = []
         for i, (s, t) in enumerate(zip(seqs, tokens, strict=True)):

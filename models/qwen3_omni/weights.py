@@ -67,6 +67,21 @@ class CheckpointReader:
             handle = self._open[path] = safe_open(str(path), "pt")
         return handle.get_tensor(name)  # type: ignore[attr-defined]
 
+    def part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices [start, stop) of ``name`` along ``dim``, reading only those; indices past the
+        tensor's end read as zeros (a padded last shard)."""
+        from safetensors import safe_open
+
+        path = self.files.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.directory}: tensor {name} is missing")
+        with safe_open(str(path), "pt") as f:
+            sl = f.get_slice(name)
+            size = sl.get_shape()[dim]
+            index = [slice(None)] * len(sl.get_shape())
+            index[dim] = slice(min(start, size), min(stop, size))
+            return pad_to(sl[tuple(index)], dim, stop - start)
+
     def rows(self, name: str, ids: list[int], shape: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows ``ids`` of a 2-D tensor, reading only those (the Talker's three text-special
         embeddings out of the Thinker's 150k-row table); ``shape``: the tensor's, for random weights."""
@@ -99,14 +114,32 @@ def random_tensor(name: str, shape, spec: dict, device, dtype) -> torch.Tensor:
     return out.normal_(0.0, float(spec.get("std", 0.02)), generator=g)
 
 
+def pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    missing = size - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
 def load_module(module: nn.Module, reader: CheckpointReader, prefix: str, dtype: torch.dtype | None = None,
-                device: str | torch.device = "cpu", skip: tuple[str, ...] = ()) -> None:
+                device: str | torch.device = "cpu", skip: tuple[str, ...] = (), shard=None) -> None:
     """Fill every parameter of ``module`` from ``prefix`` + its name; an absent tensor, an extra
-    one under a loaded submodule, or a shape mismatch is an error naming the tensor."""
+    one under a loaded submodule, or a shape mismatch is an error naming the tensor. ``shard``
+    (a tensor-parallel rank's plan, ``thinker_tp.ThinkerShard``): ``split(target)`` gives the
+    (dim, start, stop, full size) a parameter holds of the checkpoint's tensor, ``experts`` the
+    routed experts it holds; only those parts are read."""
     if reader.random is not None:
         for target, p in list(module.named_parameters()):
-            _copy(module, target, random_tensor(prefix + target, tuple(p.shape), reader.random, device,
-                                                dtype or p.dtype), prefix + target, dtype, device)
+            shape, cut = tuple(p.shape), shard.split(target) if shard is not None else None
+            if cut is not None:
+                shape = shape[: cut[0]] + (cut[3],) + shape[cut[0] + 1:]
+            value = random_tensor(prefix + target, shape, reader.random, device, dtype or p.dtype)
+            if cut is not None:
+                value = pad_to(value.narrow(cut[0], min(cut[1], cut[3]), max(0, min(cut[2], cut[3]) - cut[1])),
+                               cut[0], cut[2] - cut[1])
+            _copy(module, target, value, prefix + target, dtype, device)
         module.to(device)
         return
     own = dict(module.named_parameters())
@@ -118,7 +151,8 @@ def load_module(module: nn.Module, reader: CheckpointReader, prefix: str, dtype:
             continue
         m = _EXPERT.match(local)
         if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = reader.get(name)
+            if shard is None or int(m.group(2)) in shard.experts:  # another rank's expert: not read
+                experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = reader.get(name)
             continue
         target = local
         for old, new in ((".experts.gate_up_proj", ".experts.gate_up"), (".experts.down_proj", ".experts.down")):
@@ -126,17 +160,19 @@ def load_module(module: nn.Module, reader: CheckpointReader, prefix: str, dtype:
                 target = local[: -len(old)] + new
         if target not in own:
             continue  # another part's tensor under this prefix (e.g. the audio tower under thinker.)
-        _copy(module, target, reader.get(name), name, dtype, device)
+        cut = shard.split(target) if shard is not None else None
+        _copy(module, target, reader.get(name) if cut is None else reader.part(name, *cut[:3]), name, dtype, device)
         done.add(target)
     for stem, per_expert in experts.items():
         gate_up, down = own.get(stem + ".gate_up"), own.get(stem + ".down")
         if gate_up is None or down is None:
             continue
-        n = gate_up.shape[0]
-        if sorted(per_expert) != list(range(n)) or any(len(v) != 3 for v in per_expert.values()):
-            raise CheckpointError(f"{reader.directory}: {prefix}{stem}: expected experts 0..{n - 1} with gate/up/down")
-        stacked_gu = torch.stack([torch.cat([per_expert[e]["gate"], per_expert[e]["up"]]) for e in range(n)])
-        stacked_d = torch.stack([per_expert[e]["down"] for e in range(n)])
+        held = shard.experts if shard is not None else range(gate_up.shape[0])
+        if sorted(per_expert) != list(held) or any(len(v) != 3 for v in per_expert.values()):
+            raise CheckpointError(f"{reader.directory}: {prefix}{stem}: expected experts {held.start}..{held.stop - 1} "
+                                  "with gate/up/down")
+        stacked_gu = torch.stack([torch.cat([per_expert[e]["gate"], per_expert[e]["up"]]) for e in held])
+        stacked_d = torch.stack([per_expert[e]["down"] for e in held])
         _copy(module, stem + ".gate_up", stacked_gu, f"{prefix}{stem}.*.gate_proj/up_proj", dtype, device)
         _copy(module, stem + ".down", stacked_d, f"{prefix}{stem}.*.down_proj", dtype, device)
         done.update({stem + ".gate_up", stem + ".down"})

@@ -70,6 +70,12 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` (same shape), concatenated in rank order along ``dim``."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim)
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype), stream-ordered."""
         dist.broadcast(x, 0, group=self.group)
