@@ -9,7 +9,6 @@ import contextlib
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from helpers import stop_process
 
 READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 START_TIMEOUT_S = 60.0
@@ -71,13 +72,8 @@ def start_mesh(model: str = "toy", *args: str) -> Mesh:
 
 
 def stop_mesh(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(10)
+    """SIGTERM, then SIGKILL after 30 s; the launcher's exit code."""
+    return stop_process(proc, timeout=30)
 
 
 @contextlib.contextmanager

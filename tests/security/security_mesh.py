@@ -7,7 +7,6 @@ import json
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from helpers import stop_process
 
 READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 METRICS = re.compile(r"M\* metrics: (\{.*\})")
@@ -67,10 +68,5 @@ def start_mesh(*args: str) -> Mesh:
 
 
 def stop_mesh(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(10)
+    """SIGTERM, then SIGKILL after 30 s; the launcher's exit code."""
+    return stop_process(proc, timeout=30)
