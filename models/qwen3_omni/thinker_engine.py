@@ -147,22 +147,14 @@ class ThinkerEngine:
         return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
 
     def close(self) -> None:
-        if self.tp is not None and self.tp.leader:
-            self.tp.send(("stop",))  # the followers' last command
+        if self.tp is not None:
+            self.tp.stop_followers()
 
     def follow(self) -> None:
         """A rank past 0: run the leader's passes until its ``close``."""
-        if self.tp is None or self.tp.leader:
+        if self.tp is None:
             raise RuntimeError("follow() is for tensor-parallel ranks past 0")
-        with torch.inference_mode():
-            while True:
-                command = self.tp.receive()
-                if command[0] == "stop":
-                    return
-                try:
-                    getattr(self, command[0])(*command[1])
-                except Exception:  # the leader's pass failed the same way (same inputs): keep following
-                    log.exception("tensor-parallel rank %d: a mirrored Thinker pass failed", self.tp.rank)
+        self.tp.follow(lambda command: getattr(self, command[0])(*command[1]), "Thinker pass")
 
     def _mirrored(self, name: str, *args):
         """Run pass ``name`` here and, under tensor parallelism, on every follower."""

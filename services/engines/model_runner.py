@@ -74,23 +74,19 @@ class ModelRunner:
 
     def follow(self) -> None:
         """A follower rank: run what the leader runs until it sends ``stop``."""
-        if self.tp is None or self.tp.leader:
+        if self.tp is None:
             raise RuntimeError("follow() is for tensor-parallel ranks past 0")
-        with torch.inference_mode():
-            while True:
-                command = self.tp.receive()
-                if command[0] == "stop":
-                    return
-                _, inputs, are_ids, shape, dtype = command
-                x = self.tp.broadcast(torch.empty(shape, dtype=dtype, device=self.device))
-                try:
-                    self._run(inputs, x if are_ids else None, None if are_ids else x)
-                except Exception:  # the leader's pass failed the same way (same inputs): keep following
-                    log.exception("tensor-parallel rank %d: a mirrored pass failed", self.tp.rank)
+
+        def run(command) -> None:
+            _, inputs, are_ids, shape, dtype = command
+            x = self.tp.broadcast(torch.empty(shape, dtype=dtype, device=self.device))
+            self._run(inputs, x if are_ids else None, None if are_ids else x)
+
+        self.tp.follow(run)
 
     def stop_followers(self) -> None:
-        if self.tp is not None and self.tp.leader:
-            self.tp.send(("stop",))
+        if self.tp is not None:
+            self.tp.stop_followers()
 
     def _run(self, inputs: StepInputs, token_ids: torch.Tensor | None, embeds: torch.Tensor | None) -> torch.Tensor:
         graph_ok = self.graphs is not None and token_ids is not None and inputs.attn.is_decode

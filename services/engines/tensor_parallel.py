@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,27 @@ class TensorParallel:
         box = [None]
         dist.broadcast_object_list(box, 0, group=self.commands)
         return box[0]
+
+    def follow(self, run: Callable[[tuple], object], what: str = "pass") -> None:
+        """A follower rank: ``run`` each command the leader sends until it sends ``stop``. A
+        command that fails is logged and the rank keeps following (the leader's pass failed the
+        same way: same inputs)."""
+        if self.leader:
+            raise RuntimeError("follow() is for tensor-parallel ranks past 0")
+        with torch.inference_mode():
+            while True:
+                command = self.receive()
+                if command[0] == "stop":
+                    return
+                try:
+                    run(command)
+                except Exception:
+                    log.exception("tensor-parallel rank %d: a mirrored %s failed", self.rank, what)
+
+    def stop_followers(self) -> None:
+        """Leader: the followers' last command (their ``follow`` returns)."""
+        if self.leader:
+            self.send(("stop",))
 
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
