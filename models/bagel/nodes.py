@@ -88,12 +88,15 @@ class VitNode(_Module):
         return [{"vit_embeds": e} for e in self.vit(images)]
 
 
-class VaeEncoderNode(_Module):
+class _VaeNode(_Module):
     def __init__(self, model, ctx: NodeContext):
         from mstar.models.bagel.vae import AutoEncoder
 
         super().__init__(model, ctx)
         self.vae = self._build(AutoEncoder, self.cfg.vae, which="vae")
+
+
+class VaeEncoderNode(_VaeNode):
 
     @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
@@ -106,13 +109,7 @@ class VaeEncoderNode(_Module):
         return out
 
 
-class VaeDecoderNode(_Module):
-    def __init__(self, model, ctx: NodeContext):
-        from mstar.models.bagel.vae import AutoEncoder
-
-        super().__init__(model, ctx)
-        self.vae = self._build(AutoEncoder, self.cfg.vae, which="vae")
-
+class VaeDecoderNode(_VaeNode):
     @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         out = []
