@@ -52,7 +52,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.model = table.model
         self.by_client_id: dict[str, ActiveRequest] = {}  # client-visible request_id -> request
         self.api_keys, self.key_limits = api_keys, auth.KeyLimiter(per_key_max_inflight)
-        self.owner: dict[str, str] = {}  # client-visible request_id -> key id that started it ("": no keys)
         self.metrics = metrics.RequestMetrics(self.model.name, lambda: len(table.active), max_inflight)
         # where a heavy model's process_prompt runs (video decoding): off the loop that routes every request
         self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "prompt") if self.model.heavy_prompt else None
@@ -158,7 +157,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         process_s = time.perf_counter() - t0
         # the mesh sees a fresh id per request: node groups remember ended ids to drop late
         # frames, so a client may reuse its own id once the earlier request has ended
-        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0)
+        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0, owner=kid)
         try:
             self.table.pin(ar)
         except NoReplica as e:
@@ -173,7 +172,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         deadline: asyncio.TimerHandle | None = None
         self.table.active[ar.request_id] = ar
         self.by_client_id[rid] = ar
-        self.owner[rid] = kid
         self.metrics.started.inc()
         try:  # from here on every path releases the request (finally)
             # one timer for the whole request (not a wait_for task per event): at the deadline the
@@ -230,14 +228,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.table.release(ar)
             self.table.active.pop(ar.request_id, None)
             self.by_client_id.pop(rid, None)
-            self.owner.pop(rid, None)
             if kid:
                 self.key_limits.release(kid)
 
     async def Cancel(self, request: cpb.CancelRequest, context):
         kid = await self._caller(context)
         ar = self.by_client_id.get(request.request_id)
-        if ar is None or ar.ended or self.owner.get(request.request_id) != kid:  # another key's request: as unknown
+        if ar is None or ar.ended or ar.owner != kid:  # another key's request: as unknown
             return cpb.CancelResponse(cancelled=False)
         self.table.fail(ar, grpc.StatusCode.CANCELLED, f"request '{request.request_id}' was cancelled")
         return cpb.CancelResponse(cancelled=True)
