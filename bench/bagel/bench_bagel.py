@@ -287,7 +287,7 @@ def served(args, kwargs: dict, png: bytes) -> dict:
 MULTI_GPU = (("one_gpu", "default"), ("three_gpus", "cfg_parallel"), ("two_gpus", "cfg_parallel_2gpu"))
 
 
-def multi_gpu(args, kwargs: dict, png: bytes, record: dict, save) -> dict:
+def multi_gpu(args, kwargs: dict, png: bytes, record: dict, save) -> None:
     """Text-to-image at the first size and editing, served by the launcher's mesh (a process per
     group), with the CFG branches on one, two and three devices (as many as there are); images
     compared with the one-device run's."""
@@ -328,7 +328,6 @@ def multi_gpu(args, kwargs: dict, png: bytes, record: dict, save) -> dict:
                 r["image_vs_one_gpu"] = image_difference(images[("one_gpu", job)], images[(name, job)])
         out[name] = res
         save()
-    return out
 
 
 # -- the reference -------------------------------------------------------------------------------
@@ -354,53 +353,22 @@ def reference(args, ckpt: Path, png_image) -> dict:
     sys.path.insert(0, str(args.reference))
     notes = []
     missing = [m for m in ("flash_attn", "torchvision", "cv2") if importlib.util.find_spec(m) is None]
-    if missing:
-        sys.path.insert(0, str(ROOT / "tests/bagel/data"))
-        from make_reference import install_stand_ins
+    sys.path.insert(0, str(ROOT / "tests/bagel/data"))
+    from make_reference import install_stand_ins, reference_model
 
+    if missing:
         install_stand_ins(only_missing=True)
         notes.append(f"stand-ins (tests/bagel/data/make_reference.py) for {', '.join(missing)}: flash_attn's "
                      "varlen attention as torch SDPA, torchvision's resize with PIL, cv2 empty")
-    from data.data_utils import add_special_tokens
     from data.transforms import ImageTransform
     from inferencer import InterleaveInferencer
-    from modeling.autoencoder import AutoEncoder, AutoEncoderParams
-    from modeling.bagel import (
-        Bagel,
-        BagelConfig,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        SiglipVisionConfig,
-        SiglipVisionModel,
-    )
-    from modeling.qwen2 import Qwen2Tokenizer
-    from safetensors.torch import load_file
 
     from mstar.models.bagel.config import config_from_dir
 
-    ours = config_from_dir(ckpt)
+    v = config_from_dir(ckpt).vae
     dev, dtype = args.device, torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    llm_config = Qwen2Config.from_json_file(str(ckpt / "llm_config.json"))
-    llm_config.qk_norm, llm_config.tie_word_embeddings, llm_config.layer_module = True, False, "Qwen2MoTDecoderLayer"
-    vit_config = SiglipVisionConfig.from_json_file(str(ckpt / "vit_config.json"))
-    vit_config.rope, vit_config.num_hidden_layers = False, vit_config.num_hidden_layers - 1
-    v = ours.vae
-    params = AutoEncoderParams(resolution=256, in_channels=3, downsample=8, ch=v.ch, out_ch=3, ch_mult=list(v.ch_mult),
-                               num_res_blocks=v.num_res_blocks, z_channels=16, scale_factor=0.3611, shift_factor=0.1159)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            vae = AutoEncoder(params)
-            model = Bagel(Qwen2ForCausalLM(llm_config), SiglipVisionModel(vit_config), BagelConfig(
-                visual_gen=True, visual_und=True, llm_config=llm_config, vit_config=vit_config, vae_config=params,
-                vit_max_num_patch_per_side=70, connector_act="gelu_pytorch_tanh", latent_patch_size=2, max_latent_size=64))
-            model.vit_model.vision_model.embeddings.convert_conv2d_to_linear(vit_config)
-    finally:
-        torch.set_default_dtype(default)
-    model.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device=dev), strict=True)
-    vae.load_state_dict(load_file(str(ckpt / "ae.safetensors"), device=dev), strict=True)
-    model, vae = model.to(dtype).eval(), vae.to(dtype).eval()
+    model, vae, tokenizer, ids = reference_model(ckpt, v.ch, v.ch_mult, v.num_res_blocks, device=dev, dtype=dtype)
+    model, vae = model.to(dtype), vae.to(dtype)
     if dev.startswith("cuda"):
         # as the reference's app loads it (accelerate dispatch with its device map and forced hooks):
         # the hooks move each module's inputs to its weights' device (the inferencer builds its index
@@ -412,7 +380,6 @@ def reference(args, ckpt: Path, png_image) -> dict:
         model = dispatch_model(model, device_map=device_map, force_hooks=True)
         vae = _OnDevice(vae, dev, dtype)
         notes.append("the reference's app keeps the VAE on the CPU; here it runs on the GPU in bf16, as ours does")
-    tokenizer, ids, _ = add_special_tokens(Qwen2Tokenizer.from_pretrained(str(ckpt)))
     inf = InterleaveInferencer(model, vae, tokenizer, ImageTransform(*args.vae_image, 16), ImageTransform(*args.vit_image, 14), ids)
     out = {"notes": notes}
     t2i = dict(cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval=[0.4, 1.0], timestep_shift=3.0,

@@ -129,14 +129,12 @@ SCENARIOS = {
 VAE_FIT, VIT_FIT = (96, 48, 16), (70, 42, 14)
 
 
-def main(src: str, ckpt: str, out_dir: str) -> None:
-    install_stand_ins()
-    sys.path.insert(0, src)
-    import numpy as np
+def reference_model(ckpt, ch: int, ch_mult, num_res_blocks: int, device: str = "cpu", dtype=None):
+    """The reference's Bagel, its VAE (these widths), tokenizer and special ids on ``ckpt``, built as
+    its app.py builds them, in ``dtype`` (default: fp32) on ``device``. The reference tree must be on
+    sys.path (and the stand-ins installed where its dependencies are missing)."""
     import torch
-    from data.data_utils import add_special_tokens, patchify
-    from data.transforms import ImageTransform
-    from inferencer import InterleaveInferencer
+    from data.data_utils import add_special_tokens
     from modeling.autoencoder import AutoEncoder, AutoEncoderParams
     from modeling.bagel import (
         Bagel,
@@ -146,28 +144,50 @@ def main(src: str, ckpt: str, out_dir: str) -> None:
         SiglipVisionConfig,
         SiglipVisionModel,
     )
-    from modeling.bagel.qwen2_navit import NaiveCache
     from modeling.qwen2 import Qwen2Tokenizer
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    torch.set_grad_enabled(False)
-    # the model as the reference's app.py builds it, with the tiny checkpoint's VAE widths
+    ckpt = str(ckpt)
     llm_config = Qwen2Config.from_json_file(os.path.join(ckpt, "llm_config.json"))
     llm_config.qk_norm, llm_config.tie_word_embeddings, llm_config.layer_module = True, False, "Qwen2MoTDecoderLayer"
     vit_config = SiglipVisionConfig.from_json_file(os.path.join(ckpt, "vit_config.json"))
     vit_config.rope = False
     vit_config.num_hidden_layers -= 1
-    ae_params = AutoEncoderParams(resolution=256, in_channels=3, downsample=8, ch=32, out_ch=3, ch_mult=[1, 2, 2, 2],
-                                  num_res_blocks=1, z_channels=16, scale_factor=0.3611, shift_factor=0.1159)
-    vae = AutoEncoder(ae_params).eval()
-    vae.load_state_dict(load_file(os.path.join(ckpt, "ae.safetensors")), strict=True)
-    config = BagelConfig(visual_gen=True, visual_und=True, llm_config=llm_config, vit_config=vit_config, vae_config=ae_params,
-                         vit_max_num_patch_per_side=70, connector_act="gelu_pytorch_tanh", latent_patch_size=2, max_latent_size=64)
-    model = Bagel(Qwen2ForCausalLM(llm_config), SiglipVisionModel(vit_config), config)
-    model.vit_model.vision_model.embeddings.convert_conv2d_to_linear(vit_config)
-    model.load_state_dict(load_file(os.path.join(ckpt, "ema.safetensors")), strict=True)
-    model = model.eval()
+    ae_params = AutoEncoderParams(resolution=256, in_channels=3, downsample=8, ch=ch, out_ch=3, ch_mult=list(ch_mult),
+                                  num_res_blocks=num_res_blocks, z_channels=16, scale_factor=0.3611, shift_factor=0.1159)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        with torch.device(device):
+            vae = AutoEncoder(ae_params)
+            config = BagelConfig(visual_gen=True, visual_und=True, llm_config=llm_config, vit_config=vit_config,
+                                 vae_config=ae_params, vit_max_num_patch_per_side=70, connector_act="gelu_pytorch_tanh",
+                                 latent_patch_size=2, max_latent_size=64)
+            model = Bagel(Qwen2ForCausalLM(llm_config), SiglipVisionModel(vit_config), config)
+            model.vit_model.vision_model.embeddings.convert_conv2d_to_linear(vit_config)
+    finally:
+        torch.set_default_dtype(default)
+    vae.load_state_dict(load_file(os.path.join(ckpt, "ae.safetensors"), device=device), strict=True)
+    model.load_state_dict(load_file(os.path.join(ckpt, "ema.safetensors"), device=device), strict=True)
     tokenizer, new_token_ids, _ = add_special_tokens(Qwen2Tokenizer.from_pretrained(ckpt))
+    return model.eval(), vae.eval(), tokenizer, new_token_ids
+
+
+def main(src: str, ckpt: str, out_dir: str) -> None:
+    install_stand_ins()
+    sys.path.insert(0, src)
+    import numpy as np
+    import torch
+    from data.data_utils import patchify
+    from data.transforms import ImageTransform
+    from inferencer import InterleaveInferencer
+    from modeling.bagel.qwen2_navit import NaiveCache
+    from safetensors.torch import save_file
+
+    torch.set_grad_enabled(False)
+    # the model as the reference's app.py builds it, with the tiny checkpoint's VAE widths
+    model, vae, tokenizer, new_token_ids = reference_model(ckpt, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1)
+    llm_config = model.language_model.config
     vae_t, vit_t = ImageTransform(*VAE_FIT), ImageTransform(*VIT_FIT)
     inferencer = InterleaveInferencer(model, vae, tokenizer, vae_t, vit_t, new_token_ids)
 
