@@ -249,7 +249,7 @@ def test_gateway_needs_a_right_key(mesh):
 
 
 def test_openai_client_sends_its_key(mesh):
-    openai = pytest.importorskip("openai")
+    openai = pytest.importorskip("openai", reason="the OpenAI client is the test's caller (pip install openai; in the dev extra)")
     client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=WRONG_KEY, max_retries=0, timeout=20)
     with pytest.raises(openai.AuthenticationError):
         client.models.list()

@@ -93,7 +93,7 @@ def test_tokenizers_bos_padding_and_truncation(ckpt_dir, tmp_path):
     assert tokens[: len(ids)].tolist() == ids and mask.sum() == len(ids) and tokens[len(ids):].eq(0).all()
     tokens, mask = pad_tokens(ids, 10)
     assert tokens.tolist() == ids[:10] and mask.all()
-    sentencepiece = pytest.importorskip("sentencepiece")
+    sentencepiece = pytest.importorskip("sentencepiece", reason="the PaliGemma tokenizer model is read with sentencepiece")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"Task: pick up the cube number {i}, State: {i} {2 * i} {i + 7};" for i in range(200)))
     sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=64,

@@ -5,7 +5,7 @@ over valid keys) and the PaliGemma projector."""
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="transformers' PaliGemma pieces are the reference here")
 
 
 def test_siglip_vision_matches_transformers(policy):
