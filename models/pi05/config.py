@@ -70,11 +70,6 @@ class Pi05Config:
         if e.width % 2:
             raise ValueError(f"the time embedding needs an even expert width, got {e.width}")
 
-    @property
-    def prefix_len(self) -> int:
-        """Prefix tokens: every camera slot (a missing camera is masked) and the padded prompt."""
-        return len(self.cameras) * self.vision.tokens + self.max_token_len
-
     def to_json(self) -> dict[str, Any]:
         return {"type": "pi05", "vision_config": asdict(self.vision), "paligemma_config": asdict(self.prefix),
                 "action_expert_config": asdict(self.expert), "vocab_size": self.vocab,
