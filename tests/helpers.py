@@ -81,6 +81,24 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
         return proc.wait()
 
 
+def run_ranks(target, args: tuple, timeout_s: float, size: int = 2) -> None:
+    """``target(rank, *args)`` in ``size`` spawned processes (tensor-parallel ranks); every one must
+    exit 0 within ``timeout_s`` (stragglers are killed first)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"tensor-parallel ranks still running after {timeout_s} s"
+    assert [p.exitcode for p in procs] == [0] * size
+
+
 class Fn(NodeSubmodule):
     """A node that runs ``fn(call) -> outputs`` per call; ``stop(call, outputs)`` ends its loop."""
 

@@ -3,7 +3,6 @@ engine (two CPU processes over gloo) produces the logits and tokens of the TP=1 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,8 @@ from mstar.services.engines import EngineConfig, KVCacheEngine, LlamaForCausalLM
 from mstar.services.engines.direct import ForwardItem
 from mstar.services.engines.sampling import SamplingParams
 from mstar.services.engines.weights import WeightLoadError
+
+from helpers import run_ranks
 
 PROMPTS = {"a": [1, 5, 9, 17, 33, 2, 7], "b": [3, 3, 100, 42]}
 JOIN_TIMEOUT_S = 120
@@ -116,18 +117,7 @@ def _rank_main(rank: int, ckpt: str, init: str, out: str) -> None:
 def test_tp2_engine_matches_tp1(ckpt_name, request, tmp_path):
     ckpt = request.getfixturevalue(ckpt_name)
     out = tmp_path / "rank0.pt"
-    ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-    procs = [ctx.Process(target=_rank_main, args=(r, str(ckpt), init, str(out))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"tensor-parallel ranks still running after {JOIN_TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank_main, (str(ckpt), f"tcp://127.0.0.1:{free_port('127.0.0.1')}", str(out)), JOIN_TIMEOUT_S)
     got = torch.load(out)
     want = _run(_engine(LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32)))
     assert got["tokens"] == want["tokens"]

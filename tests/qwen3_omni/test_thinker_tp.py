@@ -10,7 +10,6 @@ sums: same error order as TP=1, not a looser bar)."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import shutil
 from dataclasses import dataclass
 
@@ -24,6 +23,8 @@ from mstar.models.qwen3_omni.sampling import GREEDY
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine, ThinkerStart
 from mstar.models.qwen3_omni.thinker_tp import ThinkerShard
 from mstar.ports import free_port
+
+from helpers import run_ranks
 
 JOIN_TIMEOUT_S = 180
 RTOL = 1e-4
@@ -103,18 +104,7 @@ def _rank_main(rank: int, ckpt: str, init: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def tp2(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("thinker_tp") / "rank0.pt"
-    ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-    procs = [ctx.Process(target=_rank_main, args=(r, checkpoint, init, str(out))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"tensor-parallel ranks still running after {JOIN_TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank_main, (checkpoint, f"tcp://127.0.0.1:{free_port('127.0.0.1')}", str(out)), JOIN_TIMEOUT_S)
     return torch.load(out)
 
 
