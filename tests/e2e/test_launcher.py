@@ -46,7 +46,7 @@ class Served:
             if self.proc.poll() is not None:
                 raise AssertionError(f"launcher exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
         self.stop()
-        raise AssertionError("launcher did not print its ready line in time")
+        raise AssertionError(f"launcher did not print its ready line in {timeout:g} s: {self.proc.stderr.read()[-3000:]}")
 
     def children(self) -> dict[str, int]:
         """Child service pids by service name."""
