@@ -344,8 +344,9 @@ class _OnDevice:
         return self.vae.decode(z.to(self.device, self.dtype))
 
 
-def reference(args, ckpt: Path, png_image) -> dict:
-    """The public inferencer on the same checkpoint (bf16 on CUDA as its app runs it)."""
+def reference(args, ckpt: Path, png_image, out: dict, save) -> None:
+    """The public inferencer on the same checkpoint (bf16 on CUDA as its app runs it), its figures
+    into ``out`` (saved after each: a part that fails keeps the ones before it)."""
     import importlib.util
 
     import torch
@@ -380,18 +381,27 @@ def reference(args, ckpt: Path, png_image) -> dict:
         model = dispatch_model(model, device_map=device_map, force_hooks=True)
         vae = _OnDevice(vae, dev, dtype)
         notes.append("the reference's app keeps the VAE on the CPU; here it runs on the GPU in bf16, as ours does")
+    # random weights draw ids past the tokenizer's last (the head has 152064 rows, the tokenizer
+    # fewer): its decode would fail on them; they decode to nothing, as ours detokenizes them
+    known, decode = len(tokenizer), tokenizer.decode
+    tokenizer.decode = lambda ids, *a, **k: decode(ids[ids < known] if isinstance(ids, torch.Tensor) else
+                                                   [i for i in ids if i < known], *a, **k)
+    notes.append("the reference tokenizer's decode drops ids past its vocabulary (random weights sample them)")
     inf = InterleaveInferencer(model, vae, tokenizer, ImageTransform(*args.vae_image, 16), ImageTransform(*args.vit_image, 14), ids)
-    out = {"notes": notes}
+    out["notes"] = notes
     t2i = dict(cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval=[0.4, 1.0], timestep_shift=3.0,
                num_timesteps=args.steps, cfg_renorm_type="global")
     for size in args.sizes:
         out[f"t2i_{size}"] = timed(lambda s=size: inf(text=PROMPT, image_shapes=(s, s), **t2i), dev, args.reps, args.warmup)
+        save()
     out["edit"] = timed(lambda: inf(image=png_image, text="make it blue", cfg_text_scale=4.0, cfg_img_scale=2.0,
                                     cfg_interval=[0.0, 1.0], timestep_shift=3.0, num_timesteps=args.steps,
                                     cfg_renorm_type="text_channel"), dev, args.reps, args.warmup)
+    save()
     und = dict(understanding_output=True, do_sample=False)
     out["understand_ttft"] = timed(lambda: inf(image=png_image, text="describe the image", max_think_token_n=2, **und),
                                    dev, args.reps, args.warmup)
+    save()
     decode_text = model.generate_text  # as ignore_eos: no end token, so every answer is max_tokens long
     model.generate_text = lambda *a, **k: decode_text(*a, **{**k, "end_token_id": -1})
     one_answer = timed(lambda: inf(image=png_image, text="describe the image", max_think_token_n=args.max_tokens + 1, **und),
@@ -399,7 +409,6 @@ def reference(args, ckpt: Path, png_image) -> dict:
     model.generate_text = decode_text
     out["understand_tokens_per_s"] = args.max_tokens / one_answer["median_s"]  # one request at a time, any concurrency
     del model, vae
-    return out
 
 
 def main() -> None:
@@ -474,7 +483,8 @@ def main() -> None:
         save()
     if "reference" in args.parts and args.reference:
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
-        record["reference"] = reference(args, ckpt, image)
+        record["reference"] = {}
+        reference(args, ckpt, image, record["reference"], save)
         save()
     print(json.dumps(record, indent=1))
 
