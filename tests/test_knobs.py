@@ -69,7 +69,7 @@ def test_check_config_names_a_bad_knob(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["check-config", str(cfg)])
     assert e.value.code == 2
-    assert "model_kwargs.snac_dtype must be one of float32, bfloat16, float16, got 'fp8'" in capsys.readouterr().err
+    assert "model_kwargs.snac_dtype must be one of auto, float32, bfloat16, float16, got 'fp8'" in capsys.readouterr().err
 
 
 def test_node_names_in_another_spelling_name_ours():
@@ -94,7 +94,7 @@ def test_the_engine_choices_agree_with_the_engine():
     assert choices("graph_attention") == GRAPH_ATTENTION and choices("fused_norms") == FUSED_NORMS
     assert choices("down_gemm") == DOWN_GEMM and choices("proj_gemm") == PROJ_GEMM and choices("pdl") == PDL_MODES
     assert choices("fused_sampler") == tuple(FUSED_SAMPLER)
-    assert choices("snac_dtype") == tuple(SNAC_DTYPES) and choices("snac_kernels") == SNAC_KERNELS
+    assert choices("snac_dtype") == ("auto", *SNAC_DTYPES) and choices("snac_kernels") == SNAC_KERNELS
 
 
 def test_every_model_declares_its_schemas_once():

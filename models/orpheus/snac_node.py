@@ -27,6 +27,15 @@ from mstar.models.orpheus.tokens import RIGHT_CONTEXT_FRAMES, TOKENS_PER_FRAME, 
 from mstar.services.engines.stateless import StatelessEngine
 
 SNAC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def snac_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``snac_dtype`` resolved: ``auto`` is bfloat16 on CUDA (half the codec's GPU time; its audio
+    within 30 dB SNR of the float32 reference's, bench/orpheus/snac_fidelity.py) and float32, the
+    reference's, elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return SNAC_DTYPES[name]
 SNAC_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 SNAC_KERNELS = ("auto", "triton", "torch")
 log = logging.getLogger(__name__)
@@ -63,10 +72,8 @@ class SnacNode(NodeSubmodule):
 
     def __init__(self, checkpoint: Path, ctx: NodeContext):
         self.device = ctx.device
-        # snac_dtype: the reference decodes in float32 (the default); bfloat16 / float16 halve the
-        # codec's GPU time at a small cost in sample accuracy
         cfg = OrpheusConfig.parse(ctx.model_kwargs)
-        self.decoder = load_snac_decoder(checkpoint, device=ctx.device, dtype=SNAC_DTYPES[cfg.snac_dtype])
+        self.decoder = load_snac_decoder(checkpoint, device=ctx.device, dtype=snac_dtype(cfg.snac_dtype, ctx.device))
         # snac_kernels: the fused Triton decode (auto on CUDA: ~71 kernels a window instead of ~320,
         # activations channels-last) or the module decoder
         self.fused = None

@@ -161,13 +161,22 @@ def test_half_precision_decode_stays_close_to_the_float32_reference(reference_sn
     assert err < 5e-2, err
 
 
+def test_snac_dtype_auto_is_bfloat16_on_cuda_and_the_reference_float32_elsewhere():
+    from mstar.models.orpheus.knobs import OrpheusConfig
+    from mstar.models.orpheus.snac_node import snac_dtype
+
+    assert OrpheusConfig.parse({}).snac_dtype == "auto"
+    assert snac_dtype("auto", "cuda:1") == torch.bfloat16 and snac_dtype("auto", "cpu") == torch.float32
+    assert snac_dtype("float16", "cuda") == torch.float16 and snac_dtype("float32", "cuda:0") == torch.float32
+
+
 def test_snac_node_names_a_bad_dtype(reference_snac):
     from pathlib import Path
 
     from mstar.models.base import NodeContext
     from mstar.models.orpheus.snac_node import SnacNode
 
-    with pytest.raises(ValueError, match="model_kwargs.snac_dtype must be one of float32, bfloat16, float16, got 'fp8'"):
+    with pytest.raises(ValueError, match="model_kwargs.snac_dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
         SnacNode(Path(reference_snac[1]), NodeContext("snac_decoder", "cpu", None, {"snac_dtype": "fp8"}))
 
 
