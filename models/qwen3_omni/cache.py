@@ -89,11 +89,16 @@ class Decode:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self.slots, :, self.lengths] = k
         vc[self.slots, :, self.lengths] = v
-        keys, values = kc[self.slots, :, : self.span], vc[self.slots, :, : self.span]
+        keys, values = kc[self.slots, :, : self.span], vc[self.slots, :, : self.span]  # [B, kv, span, d]
         mask = torch.arange(self.span, device=q.device)[None, :] <= self.lengths[:, None]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
-                                             enable_gqa=True)
-        return out[:, :, 0]
+        # each KV head's group of query heads in one matmul: K/V are read once, never repeated per
+        # query head (SDPA with a mask and GQA takes its math path, which does repeat them)
+        b, heads, d = q.shape
+        kv = keys.shape[1]
+        scores = torch.matmul(q.view(b, kv, heads // kv, d), keys.transpose(-1, -2)).float() * d ** -0.5
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, kv, group, d]
+        return out.reshape(b, heads, d)
 
 
 @dataclass
