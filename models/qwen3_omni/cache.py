@@ -16,12 +16,15 @@ import torch.nn.functional as F
 
 
 class SlotCache:
+    """``num_slots`` slots to hand out, and one more, ``scratch``, that is never handed out: a
+    CUDA graph's padded rows write their K/V there (``decode_graphs.py``)."""
+
     def __init__(self, num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
                  device: torch.device | str, dtype: torch.dtype):
-        shape = (num_slots, kv_heads, max_len, head_dim)
+        shape = (num_slots + 1, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.max_len = max_len
+        self.max_len, self.num_slots, self.scratch = max_len, num_slots, num_slots
         self.free = list(range(num_slots - 1, -1, -1))
 
     def take(self) -> int:
@@ -70,25 +73,32 @@ class PrefillBatch:
 
 @dataclass
 class Decode:
-    """One new token per sequence; ``lengths[b]`` tokens of ``slots[b]`` precede it."""
+    """One new token per sequence; ``lengths[b]`` tokens of ``slots[b]`` precede it. Each row
+    attends the first ``span`` keys of its slot, those past its own length masked: any span of at
+    least max(lengths) + 1 gives the same result (a CUDA graph's is its span bucket's)."""
 
     cache: SlotCache
     slots: torch.Tensor  # [B] int64 on the cache's device
     lengths: torch.Tensor  # [B] int64 on the cache's device
-    max_len: int  # max(lengths) + 1, a host int
+    span: int  # keys attended, >= max(lengths) + 1: a host int
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, heads, d], k/v [B, kv, d] -> [B, heads, d]."""
-        if self.max_len > self.cache.max_len:
-            raise ValueError(f"sequence of {self.max_len} tokens is longer than the cache's max_len={self.cache.max_len}")
+        if self.span > self.cache.max_len:
+            raise ValueError(f"sequence of {self.span} tokens is longer than the cache's max_len={self.cache.max_len}")
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self.slots, :, self.lengths] = k
         vc[self.slots, :, self.lengths] = v
-        keys, values = kc[self.slots, :, : self.max_len], vc[self.slots, :, : self.max_len]
-        mask = torch.arange(self.max_len, device=q.device)[None, :] <= self.lengths[:, None]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
-                                             enable_gqa=True)
-        return out[:, :, 0]
+        keys, values = kc[self.slots, :, : self.span], vc[self.slots, :, : self.span]  # [B, kv, span, d]
+        mask = torch.arange(self.span, device=q.device)[None, :] <= self.lengths[:, None]
+        # each KV head's group of query heads in one matmul: K/V are read once, never repeated per
+        # query head (SDPA with a mask and GQA takes its math path, which does repeat them)
+        b, heads, d = q.shape
+        kv = keys.shape[1]
+        scores = torch.matmul(q.view(b, kv, heads // kv, d), keys.transpose(-1, -2)).float() * d ** -0.5
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, kv, group, d]
+        return out.reshape(b, heads, d)
 
 
 @dataclass

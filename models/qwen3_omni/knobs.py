@@ -22,7 +22,8 @@ class OmniServeConfig(Knobs):
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on CUDA, float32 on a CPU")
     max_num_seqs: int = Field(32, ge=1, le=1024, description="sequences the Thinker and the Talker each hold at once")
     max_prefill_tokens: int = Field(8192, ge=1, description="prompt tokens the Thinker prefills in one step")
-    cuda_graphs: bool = Field(True, description="the code predictor's frame loop replays CUDA graphs (on CUDA)")
+    cuda_graphs: bool = Field(True, description="the Thinker's and the Talker's decode steps and the code "
+                              "predictor's frame replay CUDA graphs (on CUDA)")
     code2wav_chunk_frames: int = Field(10, ge=1, le=300, description="new codec frames per Code2Wav decode "
                                        "(12.5 a second); the reference decodes 300 at a time")
     code2wav_left_context_frames: int = Field(25, ge=0, le=300, description="earlier frames decoded as context "

@@ -43,7 +43,7 @@ class ThinkerNode(EngineNode):
         self.cfg, self.thinker = p.cfg, p.thinker
         assert self.thinker is not None
         self.engine = ThinkerEngine(self.thinker, p.cfg.accept_hidden_layer, kw.max_num_seqs, max_seq_len,
-                                    kw.max_prefill_tokens, tp=tp)
+                                    kw.max_prefill_tokens, tp=tp, cuda_graphs=kw.cuda_graphs)
         with torch.inference_mode():
             self.tts_eos = self.thinker.embed(torch.tensor([p.cfg.ids.tts_eos], device=ctx.device)).float().cpu()
         self.stop = (p.cfg.ids.im_end,)
@@ -100,7 +100,7 @@ class TalkerNode(EngineNode):
         assert p.talker is not None
         self.cfg = p.cfg
         p.talker.code_predictor.cuda_graphs = kw.cuda_graphs
-        self.engine = TalkerEngine(p.talker, p.specials(), kw.max_num_seqs, max_seq_len)
+        self.engine = TalkerEngine(p.talker, p.specials(), kw.max_num_seqs, max_seq_len, kw.cuda_graphs)
         self.no_frame = torch.zeros(0, p.cfg.num_code_groups, dtype=torch.int64)
         log.info("qwen3-omni talker loaded from %s on %s", checkpoint, ctx.device)
 

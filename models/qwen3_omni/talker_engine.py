@@ -6,7 +6,8 @@ Thinker's text stream (or none once that stream ended). So every call of the Tal
 the engine work: ``TalkerStart`` (its prompt, once) or ``TalkerFeed`` (one step), and each work
 item is answered by one output: the frame's first code (``token_id``) and, unless it is the end
 of speech, the whole frame (``extra["frame"]``, ``num_code_groups`` codes). The feeds of all
-requests waiting when a step starts run as one batched decode and one batched code prediction.
+requests waiting when a step starts run as one batched decode and one batched code prediction
+(on CUDA each a graph replay: ``decode_graphs.py``, ``predictor_loop.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from mstar.metrics import KvStats
 from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
+from mstar.models.qwen3_omni.decode_graphs import DecodeGraphs
 from mstar.models.qwen3_omni.positions import decode_positions
 from mstar.models.qwen3_omni.sampling import Sampling, sample
 from mstar.models.qwen3_omni.talker import Talker
@@ -56,12 +58,15 @@ class _Seq:
 
 
 class TalkerEngine:
-    def __init__(self, model: Talker, specials: torch.Tensor, max_num_seqs: int, max_seq_len: int):
-        """``specials`` [3, thinker hidden]: the Thinker's embeddings of tts_bos, tts_eos, tts_pad."""
+    def __init__(self, model: Talker, specials: torch.Tensor, max_num_seqs: int, max_seq_len: int,
+                 cuda_graphs: bool = True):
+        """``specials`` [3, thinker hidden]: the Thinker's embeddings of tts_bos, tts_eos, tts_pad.
+        ``cuda_graphs``: decode passes replay CUDA graphs (on CUDA)."""
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         c = model.cfg
         self.cache = SlotCache(c.num_layers, max_num_seqs, max_seq_len, c.num_kv_heads, c.head_dim, p.device, p.dtype)
+        self.decode = DecodeGraphs(self.cache, self._decode_forward, p.device, max_num_seqs, cuda_graphs, "talker")
         with torch.inference_mode():
             self.tts_bos, self.tts_eos, self.tts_pad = model.text_projection(specials.to(self.device, self.dtype))
         self.ids = model.omni.ids
@@ -124,15 +129,16 @@ class TalkerEngine:
             embeds = torch.stack([s.next_codec for s in seqs]) + text  # type: ignore[misc]
             pos = torch.cat([decode_positions(s.start.positions.shape[1], s.start.delta, 1, len(s.code0) - 1)
                              for s in seqs], 1)
-            lengths = [s.length for s in seqs]
-            ctx = Decode(self.cache, torch.tensor([s.slot for s in seqs], device=self.device),
-                         torch.tensor(lengths, device=self.device), max(lengths) + 1)
-            hidden = self.model(embeds, pos.to(self.device), ctx)
+            hidden = self.decode.run([s.slot for s in seqs], [s.length for s in seqs], pos, embeds=embeds)["hidden"]
             for s, h in zip(seqs, hidden, strict=True):
                 s.length += 1
                 rows.append((s, h))
         self.steps += 1
         return refused + (self._finish(rows) if rows else [])
+
+    def _decode_forward(self, s: dict[str, torch.Tensor], ctx: Decode) -> dict[str, torch.Tensor]:
+        """The decode graphs' forward (inside a capture: no host syncs)."""
+        return {"hidden": self.model(s["embeds"], s["positions"], ctx)}
 
     def _prompt(self, s: _Seq) -> torch.Tensor:
         """The Talker's prompt embeddings: the user turn (media rows through hidden_projection, text
@@ -201,8 +207,7 @@ class TalkerEngine:
         return outs
 
     def kv_stats(self) -> KvStats:
-        slots = self.cache.k[0].shape[0]
-        return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
+        return KvStats(self.cache.num_slots - self.cache.num_free, self.cache.num_free, 0)
 
     def close(self) -> None:
         pass

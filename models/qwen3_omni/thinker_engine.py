@@ -3,14 +3,16 @@
 
 A step prefills the sequences submitted since the last one (one pass each: token and media
 embeddings, DeepStack rows, M-RoPE positions) and decodes every other running sequence in one
-batched pass. Each output carries, besides the sampled token, the embedding of the token the
-step read (what the Talker's text stream is made of) and, for a prefill, the rows the Talker's
-prompt needs (token embeddings, or the ``accept_hidden_layer`` state for media rows).
+batched pass (on CUDA a graph replay, ``decode_graphs.py``). Each output carries, besides the
+sampled token, the embedding of the token the step read (what the Talker's text stream is made
+of) and, for a prefill, the rows the Talker's prompt needs (token embeddings, or the
+``accept_hidden_layer`` state for media rows).
 
 Tensor-parallel (``tp``, a model from ``thinker_tp.py``): rank 0 is this engine, scheduling and
 sampling; the other ranks ``follow``. Each pass (``_prefill_pass``, ``_decode_pass``) is sent to
 them as its host inputs (token ids, media rows, positions, slots, lengths) over the command
-group and run on every rank, each over its own slot cache of its KV heads.
+group and run on every rank, each over its own slot cache of its KV heads (and its own decode
+graphs: the same inputs pick the same graph on every rank).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from mstar.metrics import KvStats
 from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
+from mstar.models.qwen3_omni.decode_graphs import DecodeGraphs
 from mstar.models.qwen3_omni.positions import decode_positions
 from mstar.models.qwen3_omni.sampling import Sampling, sample
 from mstar.models.qwen3_omni.thinker import Thinker
@@ -75,14 +78,16 @@ class _Seq:
 
 class ThinkerEngine:
     def __init__(self, model: Thinker, capture_layer: int, max_num_seqs: int, max_seq_len: int,
-                 max_prefill_tokens: int = 8192, tp=None):
+                 max_prefill_tokens: int = 8192, tp=None, cuda_graphs: bool = True):
         """``max_prefill_tokens``: prompts admitted in one step add up to at most this many tokens
-        (one longer prompt still goes alone). ``tp``: this process's ``TensorParallel`` rank."""
+        (one longer prompt still goes alone). ``tp``: this process's ``TensorParallel`` rank.
+        ``cuda_graphs``: decode passes replay CUDA graphs (on CUDA)."""
         self.tp = tp if tp is not None and tp.size > 1 else None
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         c = model.cfg
         self.cache = SlotCache(c.num_layers, max_num_seqs, max_seq_len, c.num_kv_heads, c.head_dim, p.device, p.dtype)
+        self.decode = DecodeGraphs(self.cache, self._decode_forward, p.device, max_num_seqs, cuda_graphs, "thinker")
         self.capture, self.max_prefill_tokens = capture_layer, max_prefill_tokens
         self.waiting: list[_Seq] = []  # submitted, no slot yet (admitted in order as slots free up)
         self.running: dict[str, _Seq] = {}
@@ -143,8 +148,7 @@ class ThinkerEngine:
         return outs
 
     def kv_stats(self) -> KvStats:
-        slots = self.cache.k[0].shape[0]
-        return KvStats(slots - self.cache.num_free, self.cache.num_free, 0)
+        return KvStats(self.cache.num_slots - self.cache.num_free, self.cache.num_free, 0)
 
     def close(self) -> None:
         if self.tp is not None:
@@ -200,11 +204,14 @@ class ThinkerEngine:
 
     def _decode_pass(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
         """One new token per sequence -> (logits, the tokens' embeddings)."""
-        dev = self.device
-        embeds = self.model.embed(ids.to(dev))
-        ctx = Decode(self.cache, torch.tensor(slots, device=dev), torch.tensor(lengths, device=dev), max(lengths) + 1)
-        hidden, _ = self.model(embeds, positions.to(dev), ctx)
-        return self.model.logits(hidden), embeds
+        out = self.decode.run(slots, lengths, positions, ids=ids)
+        return out["logits"], out["embeds"]
+
+    def _decode_forward(self, s: dict[str, torch.Tensor], ctx: Decode) -> dict[str, torch.Tensor]:
+        """The decode graphs' forward (inside a capture: no host syncs)."""
+        embeds = self.model.embed(s["ids"])
+        hidden, _ = self.model(embeds, s["positions"], ctx)
+        return {"logits": self.model.logits(hidden), "embeds": embeds}
 
     def _prefill(self, batch: list[tuple[_Seq, tuple]]) -> list[OmniOut]:
         """Every admitted prompt in one pass (one attention call per layer over the padded batch)."""

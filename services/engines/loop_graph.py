@@ -31,7 +31,13 @@ Outputs' lifetime: ``run`` never returns views of this object's buffers. Graph o
 cloned out of the graph's static outputs, so a caller may keep them across runs; eager outputs
 are the body's own last return values. Replays run on the caller's current stream; one
 ``LoopGraphs`` must not run from two streams or threads at once (its graphs share one memory
-pool and their static buffers).
+pool and their static buffers). Several ``LoopGraphs`` that never run at the same time (one
+thread's) may share that pool (``pool``): their graphs' intermediates then take the memory once.
+
+Captures happen on first use, while other threads of the process may be running CUDA work (a
+node group steps each engine on a thread of its own): they run in ``thread_local`` capture mode,
+as torch.compile's CUDA-graph trees do, so another thread's allocation or host sync neither
+fails nor breaks the capture (``global``, torch's default, would fail both).
 """
 
 from __future__ import annotations
@@ -89,10 +95,11 @@ def _describe(sig: Signature) -> str:
 
 class LoopGraphs:
     def __init__(self, body: Body, iterations: int, carried: tuple[str, ...], device: torch.device | str,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, name: str = "loop"):
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, name: str = "loop", pool=None):
         """``body(state, i)`` returns a dict with at least every ``carried`` name (same shape and
         dtype as its input); ``buckets``: the batch sizes graphs are captured for (``()``: always
-        eager)."""
+        eager); ``pool``: a ``torch.cuda.graph_pool_handle()`` shared with other ``LoopGraphs``
+        that never run at the same time as this one (None: its own, made at the first capture)."""
         if isinstance(carried, str):
             raise TypeError(f"loop '{name}': carried must be a tuple of names, e.g. ('{carried}',), not a str")
         if iterations < 1:
@@ -108,7 +115,7 @@ class LoopGraphs:
         self.buckets = tuple(sorted(set(buckets)))
         self.stats = LoopGraphStats()
         self._graphs: dict[tuple[int, Signature], _Graph] = {}
-        self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
+        self._pool = pool  # torch.cuda.graph_pool_handle(), else made at the first capture
 
     @property
     def num_graphs(self) -> int:
@@ -166,7 +173,7 @@ class LoopGraphs:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     outputs = self._loop(static, bucket)
             except Exception as e:
                 raise RuntimeError(f"loop '{self.name}': capturing bucket {bucket} ({_describe(sig)}) failed: "

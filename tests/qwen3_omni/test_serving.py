@@ -223,9 +223,9 @@ def test_talker_speaks_while_the_thinker_writes_and_cancel_frees_the_caches(chec
             await cancel_and_drain(mesh, call, "long")
             for eng in (thinker, talker):
                 deadline = asyncio.get_running_loop().time() + 5
-                while eng.cache.num_free != eng.cache.k[0].shape[0] and asyncio.get_running_loop().time() < deadline:
+                while eng.cache.num_free != eng.cache.num_slots and asyncio.get_running_loop().time() < deadline:
                     await asyncio.sleep(0.02)
-                assert eng.cache.num_free == eng.cache.k[0].shape[0], type(eng).__name__
+                assert eng.cache.num_free == eng.cache.num_slots, type(eng).__name__
 
     run(go(), timeout=120)
 
