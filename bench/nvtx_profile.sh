@@ -7,7 +7,8 @@
 # model); the mesh stops; `nsys stats` writes the NVTX range summary to OUTDIR/nvtx_summary.txt and the
 # CUDA kernel summary to OUTDIR/cuda_kernels.txt. Where the host has no nsys, OUTDIR/nvtx_summary.txt
 # says so, and the same request is served with --enable-nvtx without a profiler (the ranges' CUDA path
-# runs; nothing records them): OUTDIR/serve_log.txt.
+# runs; nothing records them): OUTDIR/serve_log.txt, and the times to ready and to the first byte in
+# OUTDIR/request.txt.
 set -u -o pipefail
 OUT=${1:?OUTDIR}; MODEL=${2:-orpheus}
 mkdir -p /tmp/wh && for w in .gpuwheels/*.whl; do python3 -m zipfile -e "$w" /tmp/wh; done
@@ -28,8 +29,8 @@ fi
 PROF=$!
 T0=$(date +%s)
 for _ in $(seq 240); do grep -q "M\* ready" "$OUT/serve_log.txt" && break; sleep 1; done
-echo "ready after $(( $(date +%s) - T0 )) s" >> "$OUT/serve_log.txt"
-python3 - "$MODEL" "$PORT" >> "$OUT/serve_log.txt" 2>&1 <<'PY'
+echo "ready after $(( $(date +%s) - T0 )) s" > "$OUT/request.txt"
+python3 - "$MODEL" "$PORT" >> "$OUT/request.txt" 2>&1 <<'PY'
 import json, sys, time, urllib.request
 model, port = sys.argv[1], sys.argv[2]
 path, body = ("/v1/audio/speech", {"model": model, "input": "Hello there, this is one profiled request.", "voice": "tara"}) \
@@ -43,8 +44,8 @@ with urllib.request.urlopen(req, timeout=120) as r:
 print(f"request {path}: HTTP {r.status}, first byte {t1 - t0:.3f} s, {n} bytes in {time.perf_counter() - t0:.3f} s")
 PY
 pkill -INT -f "mstar.cli serve $MODEL" ; wait $PROF
-echo "exit status: $?" >> "$OUT/serve_log.txt"
-[ -z "$NSYS" ] && { tail -n 5 "$OUT/serve_log.txt"; exit 0; }
+echo "serve's exit status: $?" >> "$OUT/request.txt"
+[ -z "$NSYS" ] && { cat "$OUT/request.txt"; exit 0; }
 "$NSYS" stats -r nvtx_sum /tmp/mstar-nvtx.nsys-rep > "$OUT/nvtx_summary.txt" 2>&1
 "$NSYS" stats -r cuda_gpu_kern_sum /tmp/mstar-nvtx.nsys-rep | head -40 > "$OUT/cuda_kernels.txt" 2>&1
 tail -n 30 "$OUT/nvtx_summary.txt"
