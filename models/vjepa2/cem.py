@@ -94,8 +94,9 @@ def plan(cfg: CEMConfig, world_model: WorldModel, goal: torch.Tensor, noise: tor
     replaces the random draws; ``trace`` (a list) gets ``(energies, top-k)`` per iteration."""
     mean, std = initial(cfg, goal.device)
     for it in range(cfg.cem_steps):
-        n = noise[it] if noise is not None else torch.randn(
-            (cfg.rollout, cfg.samples, 4), generator=generator, device=goal.device)
+        # drawn on the host (``generator`` is a host one), as the served plan walk draws them: the
+        # same seed plans alike on any device
+        n = noise[it] if noise is not None else torch.randn((cfg.rollout, cfg.samples, 4), generator=generator)
         actions = sample(cfg, mean, std, n.to(mean.device))
         energies = energy(world_model(actions), goal)
         mean, std, top = update(cfg, mean, std, actions, energies.to(mean.dtype))
