@@ -277,8 +277,8 @@ def main(argv=None) -> None:
                 torch.cuda.empty_cache()
                 result[name]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 torch.cuda.reset_peak_memory_stats()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+            with open(args.out, "w") as f:  # after every part: a part that fails keeps the ones before it
+                json.dump(result, f, indent=1)
     print("wrote", args.out)
 
 
