@@ -2,6 +2,9 @@
 M* against the transformers baseline (JSON files from one call: --parts mstar / baseline, or both).
 
     python bench/qwen3_omni/plot_omni.py bench/results/qwen3_omni/2026-11-26-h200x4/omni_*.json --out plot.png
+
+``--labels`` (one per run): each run's M* rows are a curve of their own under that label (runs of
+one call with different settings, e.g. CUDA graphs on and off); the baseline rows stay one curve.
 """
 
 from __future__ import annotations
@@ -14,24 +17,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--labels", nargs="+", help="a label per run for its M* rows")
     args = ap.parse_args()
-    rows = {"mstar": [], "baseline": []}
-    for path in args.runs:
+    if args.labels and len(args.labels) != len(args.runs):
+        ap.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
+    curves: dict[str, list] = {}
+    baseline: list = []
+    for i, path in enumerate(args.runs):
         run = json.load(open(path))
-        for key in rows:
-            rows[key] += run.get(key, [])
+        label = args.labels[i] if args.labels else "M* (served, streaming)"
+        curves.setdefault(label, []).extend(run.get("mstar", []))
+        baseline += run.get("baseline", [])
+    curves = {k: v for k, v in curves.items() if v}
+    if baseline:
+        curves["transformers generate"] = baseline
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in (("mstar", "M* (served, streaming)"), ("baseline", "transformers generate")):
-        r = sorted(rows[key], key=lambda x: x["streams"])
+    for label, rows in curves.items():
+        r = sorted(rows, key=lambda x: x["streams"])
         n = [x["streams"] for x in r]
         a.plot(n, [x["audio_s_per_s"] for x in r], "o-", label=label)
         b.plot(n, [x["ttfa_p50_s"] for x in r], "o-", label=label)
-    top = max(x["streams"] for x in rows["mstar"] + rows["baseline"])
+    top = max(x["streams"] for rows in curves.values() for x in rows)
     a.plot([1, top], [1, top], "k:", label="every stream real time")
     a.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="audio seconds per second")
     b.axhline(0.25, color="k", ls=":", label="target 250 ms")
