@@ -1,4 +1,4 @@
-"""Media inputs, decoded on the conductor with size limits: WAV audio -> 16 kHz log-mel features
+"""Media inputs, decoded on the conductor with size limits: WAV or MP3 audio (MP3 through PyAV) -> 16 kHz log-mel features
 (Whisper's, as the checkpoint's processor makes them); PNG/JPEG images -> patch rows and their
 grid (Qwen2-VL's image processor with the checkpoint's patch and merge sizes); videos (mp4, webm...
 through PyAV) -> frames sampled at ``VIDEO_FPS``, each resized and normalised by the same image
@@ -65,7 +65,7 @@ class MediaDecoder:
                 raise InvalidArgument(where, f"{len(f.data)} bytes; at most {self.max_bytes}")
             kind = f.content_type.split("/")[0] if f.content_type else _guess(f.name)
             if kind == "audio":
-                x = self._features(self._wav(f.data, where))
+                x = self._features(self._mp3(f.data, where) if _is_mp3(f) else self._wav(f.data, where))
                 feats.append(x)
                 m.audio_lengths.append(x.shape[1])
                 m.audio_rows.append(int(output_lengths(torch.tensor(x.shape[1]), self.cfg.audio.n_window)))
@@ -81,7 +81,7 @@ class MediaDecoder:
                 m.video_rows.append(grid[0] * grid[1] * grid[2] // self.cfg.vision.spatial_merge_size**2)
                 m.video_seconds.append(self.cfg.vision.temporal_patch_size / VIDEO_FPS)
             else:
-                raise InvalidArgument(where, f"content type {f.content_type or '(none)'!r}: send audio/wav, "
+                raise InvalidArgument(where, f"content type {f.content_type or '(none)'!r}: send audio/wav, audio/mpeg, "
                                              "image/png, image/jpeg or a video (video/mp4, video/webm)")
         if feats:
             m.audio_features = torch.cat(feats, dim=1)
@@ -109,6 +109,37 @@ class MediaDecoder:
         if rate != SAMPLE_RATE:  # linear resampling (the reference processor uses librosa's)
             t = np.arange(int(len(x) * SAMPLE_RATE / rate)) * (rate / SAMPLE_RATE)
             x = np.interp(t, np.arange(len(x)), x).astype(np.float32)
+        return x
+
+    def _mp3(self, data: bytes, where: str) -> np.ndarray:
+        """MP3 -> 16 kHz mono float samples (PyAV: FFmpeg's decoder and resampler). The decode stops
+        as soon as the audio passes ``max_audio_s``, whatever the header claims."""
+        try:
+            import av
+        except ImportError:
+            raise InvalidArgument(where, "MP3 input needs PyAV on the conductor (pip install av); or send WAV") from None
+        limit = int(self.max_audio_s * SAMPLE_RATE)
+        chunks, n = [], 0
+        try:
+            with av.open(io.BytesIO(data), format="mp3") as container:
+                stream = container.streams.audio[0]
+                resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+                for frame in container.decode(stream):
+                    for out in resampler.resample(frame):
+                        chunks.append(out.to_ndarray().reshape(-1))
+                        n += chunks[-1].size
+                    if n > limit:
+                        raise InvalidArgument(where, f"audio longer than {self.max_audio_s:g} s")
+                chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]  # the resampler's tail
+        except InvalidArgument:
+            raise
+        except (av.error.FFmpegError, IndexError, ValueError) as e:
+            raise InvalidArgument(where, f"not a readable MP3 file ({e})") from None
+        x = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
+        if x.size == 0:
+            raise InvalidArgument(where, "the audio is empty")
+        if x.size > limit:
+            raise InvalidArgument(where, f"audio of {x.size / SAMPLE_RATE:.1f} s; at most {self.max_audio_s:g} s")
         return x
 
     def _features(self, samples: np.ndarray) -> torch.Tensor:
@@ -186,6 +217,8 @@ class MediaDecoder:
                         next_t += 1.0 / VIDEO_FPS
                         if len(frames) > MAX_VIDEO_FRAMES:
                             raise InvalidArgument(where, f"more than {MAX_VIDEO_FRAMES} frames at {VIDEO_FPS:g} fps")
+        except InvalidArgument:  # (a ValueError: the limits above, not an unreadable file)
+            raise
         except (av.error.FFmpegError, IndexError, ValueError) as e:
             raise InvalidArgument(where, f"not a readable video ({e})") from None
         if not frames:
@@ -193,7 +226,14 @@ class MediaDecoder:
         return frames
 
 
+def _is_mp3(f: InputFile) -> bool:
+    """By its content type (audio/mpeg, audio/mp3) or, without one, its name."""
+    if f.content_type:
+        return f.content_type.lower() in ("audio/mpeg", "audio/mp3")
+    return f.name.lower().endswith(".mp3")
+
+
 def _guess(name: str) -> str:
     ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    return {"wav": "audio", "png": "image", "jpg": "image", "jpeg": "image", "mp4": "video", "webm": "video",
+    return {"wav": "audio", "mp3": "audio", "png": "image", "jpg": "image", "jpeg": "image", "mp4": "video", "webm": "video",
             "mkv": "video", "mov": "video"}.get(ext, "")

@@ -45,6 +45,25 @@ def wav_bytes(seconds=1.3, rate=16000):
     return buf.getvalue()
 
 
+def mp3_bytes(seconds=1.3, rate=44100, freq=440.0):
+    """A tone as MP3 (LAME through PyAV), at CD rate: the decoder resamples it."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp3") as out:
+        s = out.add_stream("libmp3lame", rate=rate, layout="mono")
+        x = (0.3 * np.sin(2 * np.pi * freq * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+        n = s.codec_context.frame_size or 1152
+        for i in range(0, len(x), n):
+            frame = av.AudioFrame.from_ndarray(x[None, i : i + n], format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = rate, i
+            for packet in s.encode(frame):
+                out.mux(packet)
+        for packet in s.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
 def png_bytes():
     from PIL import Image
 
