@@ -69,8 +69,11 @@ print-%:  # a variable, for scripts: make -s print-FLASHINFER
 proto:
 	$(PYTHON) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
+# Two workers (the CI machine's two cores); a test file stays on one worker, so a module's shared
+# mesh starts once. One worker: make test PYTEST_WORKERS=0
+PYTEST_WORKERS ?= 2
 test:
-	$(PYTHON) -m pytest --durations=15
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
 lint:
 	$(PYTHON) -m ruff check .
