@@ -111,11 +111,17 @@ class SlidingWindow:
     ``first`` (default ``window``): the first window comes once ``first`` rows exist and
     holds just those; later ones every ``stride`` rows after it, up to ``window`` long. A
     consumer that needs less context at the start than in steady state (a codec's first
-    frame has no left context to wait for) starts earlier."""
+    frame has no left context to wait for) starts earlier.
+
+    ``ramp``: after the first window, each one brings at most as many new rows as all the
+    windows before it (``first``, ``first``, 2 ``first``, ... up to ``stride``): a short first
+    chunk of audio is followed by chunks that take no longer to make than the audio before them
+    takes to play, at any rate faster than real time."""
 
     window: int
     stride: int
     first: int | None = None
+    ramp: bool = False
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 1 <= self.stride <= self.window:

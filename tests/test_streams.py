@@ -62,6 +62,21 @@ def test_sliding_window_with_an_earlier_first_window():
         assert covered == list(range(n)), n
 
 
+def test_a_ramp_brings_no_more_new_rows_than_the_windows_before_it():
+    """Qwen3-Omni's codec edge with a 4-frame first chunk: windows of 35 rows (25 of context + 10),
+    new rows 4, 4, 8, then 10 each (ramp), instead of 4, then 10 each."""
+    ramp = Chunker(SlidingWindow(window=35, stride=10, first=4, ramp=True))
+    assert [i + 1 for i in range(60) if ramp.push(torch.tensor([i]))] == [4, 8, 16, 26, 36, 46, 56]
+    flat = Chunker(SlidingWindow(window=35, stride=10, first=4))
+    assert [i + 1 for i in range(60) if flat.push(torch.tensor([i]))] == [4, 14, 24, 34, 44, 54]
+    for n in range(1, 70):  # every item "new" in exactly one chunk, each window at most 35 long
+        covered = []
+        for _, start, new_from, _, items in cut(SlidingWindow(window=35, stride=10, first=4, ramp=True), n):
+            assert len(items) <= 35 and start == max(0, new_from + len(items[new_from - start:]) - 35)
+            covered += items[new_from - start:]
+        assert covered == list(range(n)), n
+
+
 @pytest.mark.parametrize("make, field", [(lambda: SlidingWindow(window=4, stride=5), "stride"),
                                          (lambda: SlidingWindow(window=4, stride=0), "stride"),
                                          (lambda: SlidingWindow(window=4, stride=2, first=5), "first"),

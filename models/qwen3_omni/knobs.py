@@ -30,6 +30,9 @@ class OmniServeConfig(Knobs):
                                               "(the reference's 25)")
     code2wav_first_chunk_frames: int | None = Field(None, ge=1, le=300, description="frames of the first decode "
                                                     "(fewer: earlier first audio); None: code2wav_chunk_frames")
+    code2wav_ramp: bool = Field(True, description="after a shorter first chunk, each chunk brings at most as many "
+                                "new frames as all before it (4, 4, 8, then code2wav_chunk_frames): no silence "
+                                "between chunks while the speech is made faster than real time")
     talker_max_ahead: int = Field(16, ge=1, le=4096, description="Thinker tokens the Talker may lag behind "
                                   "before the Thinker waits (back-pressure)")
     max_audio_seconds: float = Field(300.0, gt=0, le=3600, description="longest audio input")

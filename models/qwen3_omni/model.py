@@ -70,12 +70,13 @@ WEIGHTS_HELP = ("put the snapshot in the HF cache or --cache-dir (models--Qwen--
 def codec_policy(c: OmniServeConfig) -> LeftContext | SlidingWindow:
     """Chunks of ``code2wav_chunk_frames`` new frames after up to ``code2wav_left_context_frames``;
     with ``code2wav_first_chunk_frames`` the first chunk is shorter (a sliding window whose first
-    window comes early; its last window may then carry more context than the left context)."""
+    window comes early; its last window may then carry more context than the left context), and
+    with ``code2wav_ramp`` the chunks after it grow from it (SlidingWindow's ``ramp``)."""
     first = c.code2wav_first_chunk_frames
     if first is None or first == c.code2wav_chunk_frames:
         return LeftContext(c.code2wav_chunk_frames, c.code2wav_left_context_frames)
     return SlidingWindow(window=c.code2wav_left_context_frames + c.code2wav_chunk_frames, stride=c.code2wav_chunk_frames,
-                         first=min(first, c.code2wav_left_context_frames + c.code2wav_chunk_frames))
+                         first=min(first, c.code2wav_left_context_frames + c.code2wav_chunk_frames), ramp=c.code2wav_ramp)
 
 
 class Qwen3OmniModel(Model):

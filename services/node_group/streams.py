@@ -70,8 +70,12 @@ class Chunker:
             self._trim(self.covered)
         elif isinstance(p, SlidingWindow):
             # first window when `first` items exist (default `window`), then every `stride` new items
-            while self.count - self.covered >= (p.stride if self.chunks else p.first_rows):
-                end = self.covered + (p.stride if self.chunks else p.first_rows)
+            # (ramp: at most as many new items as already covered)
+            while True:
+                n = (min(p.stride, self.covered) if p.ramp else p.stride) if self.chunks else p.first_rows
+                if self.count - self.covered < n:
+                    break
+                end = self.covered + n
                 out.append(self._emit(max(0, end - p.window), end, final=False))
             if final and self.count:  # always a last window, so a look-ahead consumer can flush
                 out.append(self._emit(max(0, self.count - p.window), self.count, final=True))
