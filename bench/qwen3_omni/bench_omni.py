@@ -17,6 +17,7 @@ Measured, per the issue's benchmark section:
 
     python bench/qwen3_omni/bench_omni.py --device cuda --out bench/results/qwen3_omni/h200.json
     python bench/qwen3_omni/bench_omni.py --device cuda --layout one --model-kwargs '{"code2wav_first_chunk_frames": 2}' ...
+    python bench/qwen3_omni/bench_omni.py --device cuda --parts mstar --layout tp2 ...   # two GPUs: the Thinker at TP=2
     python bench/qwen3_omni/bench_omni.py --device cpu --tiny --out /tmp/omni-smoke.json   # checks the script
 """
 
@@ -113,7 +114,12 @@ def layouts(gpus: int) -> dict[str, list[dict]]:
                      "ranks": [0]}],
             "split": [{"name": "thinker", "node_names": ["audio_encoder", "vision_encoder", "thinker"], "ranks": [0]},
                       {"name": "talker", "node_names": ["talker"], "ranks": [second]},
-                      {"name": "code2wav", "node_names": ["code2wav"], "ranks": [second]}]}
+                      {"name": "code2wav", "node_names": ["code2wav"], "ranks": [second]}],
+            # split's, with the Thinker tensor-parallel over the first two devices (configs/tp2.yaml's)
+            "tp2": [{"name": "encoders", "node_names": ["audio_encoder", "vision_encoder"], "ranks": [0]},
+                    {"name": "thinker", "node_names": ["thinker"], "ranks": [0, second], "tp_size": 2},
+                    {"name": "talker", "node_names": ["talker"], "ranks": [second]},
+                    {"name": "code2wav", "node_names": ["code2wav"], "ranks": [second]}]}
 
 
 def start_mesh(root: Path, ckpt: Path, layout: str, device: str, model_kwargs: dict):
@@ -288,8 +294,9 @@ def main() -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny random model (CPU smoke run: measures nothing)")
     ap.add_argument("--root", help="folder for the checkpoint and configs (a temporary one otherwise)")
-    ap.add_argument("--layout", choices=["one", "split"], default="split",
-                    help="split: Thinker, Talker, Code2Wav in three processes (no shared GIL; one GPU or two)")
+    ap.add_argument("--layout", choices=["one", "split", "tp2"], default="split",
+                    help="split: Thinker, Talker, Code2Wav in three processes (no shared GIL; one GPU or two); "
+                         "tp2: split with the Thinker tensor-parallel over two GPUs (two ranks on a CPU)")
     ap.add_argument("--concurrency", default="1,4,8,16,32,64")
     ap.add_argument("--baseline-concurrency", default="1,4,16")
     ap.add_argument("--text-tokens", type=int, default=96)
