@@ -54,6 +54,7 @@ from mstar.models.graph import (
 )
 
 BRANCHES = {"llm_cfg_text": "cfg_text", "llm_cfg_img": "cfg_img"}  # CFG branch node -> its context
+BRANCH_X = {"llm_cfg_text": "x_text", "llm_cfg_img": "x_img"}  # the x each branch node reads in image_gen_cfg
 HELP = ("put ByteDance-Seed/BAGEL-7B-MoT (ema.safetensors, ae.safetensors, llm_config.json, vit_config.json, "
         "tokenizer.json) in --cache-dir (HF cache layout or <cache-dir>/ByteDance-Seed/BAGEL-7B-MoT), or serve "
         "with --random-weights for a tiny random demo checkpoint")
@@ -108,7 +109,9 @@ class BagelModel(Model):
                                                       "vae_decoder"), [
             GraphEdge(INPUT, "combine_cfg", "x"), GraphEdge("combine_cfg", "combine_cfg", "x"),
             GraphEdge(INPUT, "combine_cfg", "gen"), GraphEdge("combine_cfg", "vae_decoder", "latent"),
-            *(GraphEdge("combine_cfg", b, "x") for b in branches), *(GraphEdge(INPUT, b, "gen") for b in branches),
+            # each branch gets x only for the steps that use it (else an empty tensor: no bytes cross)
+            *(GraphEdge("combine_cfg", b, BRANCH_X.get(b, "x")) for b in branches),
+            *(GraphEdge(INPUT, b, "gen") for b in branches),
             GraphEdge("llm", "combine_cfg", "v_cond"), GraphEdge("llm_cfg_text", "combine_cfg", "v_text"),
             GraphEdge("llm_cfg_img", "combine_cfg", "v_img"),
             GraphEdge(INPUT, "llm_cfg_text", "kv_text", once=True), GraphEdge(INPUT, "llm_cfg_text", "meta_text", once=True),

@@ -216,12 +216,13 @@ class LLMNode(_LMNode):
         return False
 
 
-def branch_velocities(lm: BagelLM, calls: list[NodeCall], label: str, out: str) -> list[dict[str, torch.Tensor]]:
+def branch_velocities(lm: BagelLM, calls: list[NodeCall], label: str, out: str, x_name: str = "x",
+                      ) -> list[dict[str, torch.Tensor]]:
     """One CFG branch of a flow step for each call (empty where the step does not use it, or once
     the loop has no step left)."""
     asks, which = [], []
     for i, c in enumerate(calls):
-        x = c.inputs["x"]
+        x = c.inputs[x_name]
         p, ts, _ = flow_of(c)
         if x.numel() and label in needed(p, ts[c.iteration]):
             asks.append((c.request_id, x, ts[c.iteration], p, (label,)))
@@ -236,18 +237,20 @@ class BranchNode(_LMNode):
     def __init__(self, model, lm: BagelLM, ctx: NodeContext, label: str):
         super().__init__(model, lm, ctx)
         self.label = label
-        self.names = {"cfg_text": ("kv_text", "meta_text", "v_text"), "cfg_img": ("kv_img", "meta_img", "v_img")}[label]
+        self.names = {"cfg_text": ("kv_text", "meta_text", "v_text", "x_text"),
+                      "cfg_img": ("kv_img", "meta_img", "v_img", "x_img")}[label]
 
     def _image_gen_cfg(self, calls):
-        kv, meta, out = self.names
+        kv, meta, out, x = self.names
         for c in calls:
             self._take(c, kv, meta)
-        return branch_velocities(self.lm, calls, self.label, out)
+        return branch_velocities(self.lm, calls, self.label, out, x)
 
 
 class CombineNode(NodeSubmodule):
     """Iteration i applies step i-1 (its velocities came from the branches) to the carried x and
-    sends x_i to the branches; after the last step it sends an empty x and stops."""
+    sends x_i to the branches that step i uses (``x_text``, ``x_img``: empty for a branch the
+    step skips, so nothing crosses to it); after the last step it sends an empty x and stops."""
 
     max_batch = 64
 
@@ -266,7 +269,9 @@ class CombineNode(NodeSubmodule):
                 v = {k: c.inputs[k].to(self.device, torch.float32)
                      if c.inputs.get(k) is not None and c.inputs[k].numel() else None for k in ("v_cond", "v_text", "v_img")}
                 x = x - cfg_combine(v["v_cond"], v["v_text"], v["v_img"], s_text, s_img, p.renorm, p.renorm_min) * dts[i - 1]
-            out.append({"x": EMPTY if i >= len(ts) else x, "latent": x})
+            uses = needed(p, ts[i]) if i < len(ts) else ()
+            out.append({"x": EMPTY if i >= len(ts) else x, "latent": x,
+                        "x_text": x if CFG_TEXT in uses else EMPTY, "x_img": x if CFG_IMG in uses else EMPTY})
         return out
 
     def check_stop(self, call: NodeCall, outputs: dict[str, torch.Tensor]) -> bool:

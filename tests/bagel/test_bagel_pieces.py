@@ -112,3 +112,31 @@ def test_understanding_expert_matches_transformers_qwen3(pipeline):
         assert rel_err(ours.compute_logits(hidden), want) < TOL
     finally:
         lm.release("qwen")
+
+
+@pytest.mark.parametrize("cfg_img, interval", [(1.0, (0.4, 1.0)), (2.0, (0.0, 1.0)), (2.0, (0.4, 1.0))])
+def test_combine_sends_x_only_to_the_branches_a_step_uses(cfg_img, interval):
+    """image_gen_cfg: at each step the combine node gives the text branch x only when that step's
+    CFG uses it (inside the interval), the image branch only with cfg_img > 1 as well: the others
+    get an empty tensor, so nothing crosses to their group. The main branch gets x at every step."""
+    from mstar.models.bagel.flow import FlowParams
+    from mstar.models.bagel.nodes import CFG_IMG, CFG_TEXT, CombineNode, flow_of, needed
+    from mstar.models.base import NodeCall
+
+    p = FlowParams(32, 32, num_timesteps=8, cfg_img=cfg_img, interval=interval)
+    node = CombineNode.__new__(CombineNode)
+    node.device = "cpu"
+    x = torch.randn(1, 4, 16)
+    _, ts, _ = flow_of(NodeCall("r", "image_gen_cfg", 0, {"gen": p.as_tensor()}, {}, {}))
+    sent = {"x_text": 0, "x_img": 0}
+    for i in range(len(ts) + 1):
+        v = {k: torch.zeros_like(x) for k in ("v_cond", "v_text", "v_img")} if i else {}
+        out = node.forward([NodeCall("r", "image_gen_cfg", i, {"x": x, "gen": p.as_tensor(), **v}, {}, {})])[0]
+        uses = needed(p, ts[i]) if i < len(ts) else ()
+        assert out["x"].numel() == (x.numel() if i < len(ts) else 0)
+        for name, label in (("x_text", CFG_TEXT), ("x_img", CFG_IMG)):
+            assert out[name].numel() == (x.numel() if label in uses else 0), (i, name)
+            sent[name] += out[name].numel() > 0
+    in_interval = sum(interval[0] < t <= interval[1] for t in ts)
+    assert sent["x_text"] == in_interval and sent["x_img"] == (in_interval if cfg_img > 1 else 0)
+    assert 0 < in_interval <= len(ts)
