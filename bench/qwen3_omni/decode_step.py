@@ -7,9 +7,12 @@ Every row has ``--context`` cached tokens (the cache holds zeros: the work is th
 and attends its span bucket's keys, as served with ``--max-seq-len``. Each engine's graphs are
 captured in the warm-up runs; a pass's time is its wall time with the device synchronized, the
 median of ``--iters``. Memory: ~67 GB of weights for both parts; one H200, or ``--parts thinker``
-and ``--parts talker`` in two runs on an H100.
+and ``--parts talker`` in two runs on an H100. ``--tp N``: after TP=1, the Thinker's pass at
+TP=N in N spawned ranks (GPUs 0..N-1), timed on rank 0 as the engine runs it under TP (its host
+inputs sent to every rank), each batch against TP=1's graphs (issue 32: <= 0.65x at 16 rows).
 
     python bench/qwen3_omni/decode_step.py --device cuda --out bench/results/qwen3_omni/decode_step.json
+    python bench/qwen3_omni/decode_step.py --device cuda --parts thinker --batch 1,16 --tp 2 --out F   # two GPUs
     python bench/qwen3_omni/decode_step.py --device cpu --tiny --out /tmp/decode-step.json   # checks the script
 """
 
@@ -44,22 +47,90 @@ def model_inputs(p, part: str, batch: int, device: str) -> dict[str, torch.Tenso
 
 
 @torch.inference_mode()
+def time_calls(run, cuda: bool, warmup: int, iters: int) -> float:
+    """Median ms of ``run()``, the device synchronized around each."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(iters):
+        sync()
+        t = time.perf_counter()
+        run()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def time_pass(eng, inputs: dict[str, torch.Tensor], context: int, warmup: int, iters: int) -> float:
     """Median ms of one decode pass of ``len(batch)`` rows at ``context`` cached tokens."""
     b = next(iter(inputs.values())).shape[0]
     slots, lengths = list(range(b)), [context] * b
     positions = torch.full((3, b), float(context))
-    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        eng.decode.run(slots, lengths, positions, **inputs)
-    times = []
-    for _ in range(iters):
-        sync()
-        t = time.perf_counter()
-        eng.decode.run(slots, lengths, positions, **inputs)
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return time_calls(lambda: eng.decode.run(slots, lengths, positions, **inputs), eng.device.type == "cuda",
+                      warmup, iters)
+
+
+def _tp_rank(rank: int, size: int, init: str, ckpt: str, device: str, batches: list[int], context: int, max_len: int,
+             warmup: int, iters: int, out: str) -> None:
+    """One rank of the Thinker at TP=``size`` (cuda:rank, or the CPU over gloo): rank 0 times the
+    engine's decode pass as served (``_mirrored``: the host inputs go to every rank, each runs its
+    shard, its collectives); the others follow."""
+    from mstar.services.engines.tensor_parallel import TensorParallel, TPSpec
+
+    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    tp = TensorParallel(TPSpec(rank, size, init), dev)
+    p = load_parts(ckpt, dev, torch.bfloat16 if device == "cuda" else torch.float32, ("thinker",), tp=tp)
+    rows = []
+    for b in batches:
+        row: dict = {"batch": b}
+        for graphs in (False, True):
+            eng = ThinkerEngine(p.thinker, p.cfg.accept_hidden_layer, b, max_len, tp=tp, cuda_graphs=graphs)
+            if rank == 0:
+                pass_args = (torch.randint(0, p.cfg.text.vocab_size, (b,)), torch.full((3, b), float(context)),
+                             list(range(b)), [context] * b)  # ids, positions, slots, lengths
+                row["graph_ms" if graphs else "eager_ms"] = time_calls(
+                    lambda eng=eng, a=pass_args: eng._mirrored("_decode_pass", *a), device == "cuda", warmup, iters)
+                eng.close()  # the followers' follow() returns
+            else:
+                eng.follow()
+            del eng
+            gc.collect()
+        rows.append(row)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    torch.distributed.barrier()
+    tp.close()
+
+
+def thinker_tp(ckpt: Path, args, batches: list[int]) -> list[dict]:
+    """The Thinker's decode pass at TP=``args.tp`` in spawned ranks: rows of eager_ms / graph_ms."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    out = Path(tempfile.mkdtemp(prefix="omni-tp-")) / "rows.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_tp_rank, args=(r, args.tp, init, str(ckpt), args.device, batches, args.context,
+                                                 args.max_seq_len, args.warmup, args.iters, str(out)))
+             for r in range(args.tp)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(args.tp_timeout)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    if codes != [0] * args.tp:
+        raise SystemExit(f"TP={args.tp} ranks ended with exit codes {codes}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -74,6 +145,9 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=2048, help="the engines' (the span is capped there)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tp", type=int, default=1, help="also the Thinker at this tensor-parallel size (GPUs 0..tp-1; "
+                                                        "gloo ranks on a CPU), in spawned ranks after TP=1")
+    ap.add_argument("--tp-timeout", type=float, default=900, help="seconds the TP ranks may take")
     args = ap.parse_args()
     ckpt = write_checkpoint(Path(args.root or tempfile.mkdtemp(prefix="omni-decode-")), args.tiny)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -101,6 +175,19 @@ def main() -> None:
                   f"({row['eager_ms'] / row['graph_ms']:.1f}x; {row['graph_replays']} replays)", flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.tp > 1 and "thinker" in args.parts:
+        del p  # TP=1's weights leave the first GPU before the ranks load theirs
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        batches = [int(x) for x in args.batch.split(",")]
+        result[f"thinker_tp{args.tp}"] = tp_rows = thinker_tp(ckpt, args, batches)
+        for r in tp_rows:
+            one = next(x for x in result["rows"] if x["part"] == "thinker" and x["batch"] == r["batch"])
+            r["graph_vs_tp1"] = r["graph_ms"] / one["graph_ms"]
+            print(f"thinker  batch {r['batch']:3d} at TP={args.tp}: eager {r['eager_ms']:8.2f} ms  graphs "
+                  f"{r['graph_ms']:8.2f} ms  ({r['graph_vs_tp1']:.2f}x TP=1's graphs)", flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
