@@ -80,23 +80,25 @@ class Decode:
     cache: SlotCache
     slots: torch.Tensor  # [B] int64 on the cache's device
     lengths: torch.Tensor  # [B] int64 on the cache's device
-    span: int  # keys attended, >= max(lengths) + 1: a host int
+    span: int  # keys attended, >= max(lengths) + 1, at most the cache's max_len: a host int
+
+    def __post_init__(self) -> None:
+        # keys past each row's own token, once for every layer: [B, 1, 1, span]
+        keys = torch.arange(self.span, device=self.lengths.device)
+        self.blocked = (keys[None, :] > self.lengths[:, None])[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, heads, d], k/v [B, kv, d] -> [B, heads, d]."""
-        if self.span > self.cache.max_len:
-            raise ValueError(f"sequence of {self.span} tokens is longer than the cache's max_len={self.cache.max_len}")
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self.slots, :, self.lengths] = k
         vc[self.slots, :, self.lengths] = v
         keys, values = kc[self.slots, :, : self.span], vc[self.slots, :, : self.span]  # [B, kv, span, d]
-        mask = torch.arange(self.span, device=q.device)[None, :] <= self.lengths[:, None]
         # each KV head's group of query heads in one matmul: K/V are read once, never repeated per
         # query head (SDPA with a mask and GQA takes its math path, which does repeat them)
         b, heads, d = q.shape
         kv = keys.shape[1]
         scores = torch.matmul(q.view(b, kv, heads // kv, d), keys.transpose(-1, -2)).float() * d ** -0.5
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(self.blocked, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, kv, group, d]
         return out.reshape(b, heads, d)
 

@@ -36,6 +36,13 @@ def test_the_scratch_slot_is_never_handed_out():
     assert {cache.take() for _ in range(3)} == {0, 1, 2}
 
 
+def test_a_decode_past_the_cache_is_refused_before_it_runs(parts):
+    engine = ThinkerEngine(parts.thinker, parts.cfg.accept_hidden_layer, 2, 16)
+    with pytest.raises(ValueError, match="sequence of 17 tokens is longer than the cache's max_len=16"):
+        engine._decode_pass(torch.tensor([1, 2]), torch.zeros(3, 2), [0, 1], [3, 16])
+    assert engine.decode.loops == {}  # refused before any span's graphs were made
+
+
 def filled(cache: SlotCache, seed: int) -> list[torch.Tensor]:
     """Random K/V in every slot (what earlier steps left); returns a copy to restore."""
     g = torch.Generator().manual_seed(seed)
