@@ -119,28 +119,31 @@ class MediaDecoder:
         except ImportError:
             raise InvalidArgument(where, "MP3 input needs PyAV on the conductor (pip install av); or send WAV") from None
         limit = int(self.max_audio_s * SAMPLE_RATE)
-        chunks, n = [], 0
+        chunks: list[np.ndarray] = []
+        n = 0
+
+        def take(frames) -> None:
+            nonlocal n
+            for out in frames:
+                chunks.append(out.to_ndarray().reshape(-1))
+                n += chunks[-1].size
+            if n > limit:
+                raise InvalidArgument(where, f"audio longer than {self.max_audio_s:g} s")
+
         try:
             with av.open(io.BytesIO(data), format="mp3") as container:
                 stream = container.streams.audio[0]
                 resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
                 for frame in container.decode(stream):
-                    for out in resampler.resample(frame):
-                        chunks.append(out.to_ndarray().reshape(-1))
-                        n += chunks[-1].size
-                    if n > limit:
-                        raise InvalidArgument(where, f"audio longer than {self.max_audio_s:g} s")
-                chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]  # the resampler's tail
+                    take(resampler.resample(frame))
+                take(resampler.resample(None))  # the resampler's tail
         except InvalidArgument:
             raise
         except (av.error.FFmpegError, IndexError, ValueError) as e:
             raise InvalidArgument(where, f"not a readable MP3 file ({e})") from None
-        x = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
-        if x.size == 0:
+        if not chunks:
             raise InvalidArgument(where, "the audio is empty")
-        if x.size > limit:
-            raise InvalidArgument(where, f"audio of {x.size / SAMPLE_RATE:.1f} s; at most {self.max_audio_s:g} s")
-        return x
+        return np.concatenate(chunks).astype(np.float32)
 
     def _features(self, samples: np.ndarray) -> torch.Tensor:
         if self._fe is None:
