@@ -25,7 +25,7 @@ import torch
 
 from mstar.models.qwen3_omni.cache import Decode, SlotCache
 from mstar.models.qwen3_omni.predictor_loop import BUCKETS
-from mstar.services.engines.loop_graph import LoopGraphs
+from mstar.services.engines.loop_graph import CaptureFailed, LoopGraphs
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class DecodeGraphs:
         loop = self.loop(self.span(longest))
         try:
             return loop.run(inputs)
-        except RuntimeError as e:  # a CUDA graph capture failed: the same pass, eagerly, from now on
+        except CaptureFailed as e:  # a CUDA graph capture failed: the same pass, eagerly, from now on
             if not self.graphs:
                 raise
             log.warning("%s decode: CUDA graphs off (%s)", self.name, e)

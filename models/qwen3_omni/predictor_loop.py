@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mstar.models.qwen3_omni.layers import apply_rope, rope_1d
 from mstar.models.qwen3_omni.sampling import Sampling, _warp
-from mstar.services.engines.loop_graph import LoopGraphs
+from mstar.services.engines.loop_graph import CaptureFailed, LoopGraphs
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -57,7 +57,7 @@ class PredictorLoop:
                   **{f"{c}{i}": cache for i in range(cfg.num_layers) for c in "kv"}}
         try:
             out = self.loop.run(inputs)
-        except RuntimeError as e:  # a CUDA graph capture failed: the same loop, eagerly, from now on
+        except CaptureFailed as e:  # a CUDA graph capture failed: the same loop, eagerly, from now on
             if self.loop.buckets == ():
                 raise
             log.warning("code predictor: CUDA graphs off (%s)", e)

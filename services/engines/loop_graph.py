@@ -60,6 +60,11 @@ Body = Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]]
 Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
 
+class CaptureFailed(RuntimeError):
+    """Capturing a bucket's graph failed (the body itself ran in the warm-up): the same loop can
+    still run eagerly (``buckets = ()``)."""
+
+
 @dataclass
 class LoopGraphStats:
     graph_replays: int = 0  # runs served by a captured graph
@@ -176,7 +181,7 @@ class LoopGraphs:
                 with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     outputs = self._loop(static, bucket)
             except Exception as e:
-                raise RuntimeError(f"loop '{self.name}': capturing bucket {bucket} ({_describe(sig)}) failed: "
+                raise CaptureFailed(f"loop '{self.name}': capturing bucket {bucket} ({_describe(sig)}) failed: "
                                    f"{e}") from e
         self.stats.captures += 1
         log.info("loop '%s': captured %d iterations for bucket %d (%s) in %.3f s; %d graphs", self.name,

@@ -14,7 +14,7 @@ from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.sampling import GREEDY
 from mstar.models.qwen3_omni.talker_engine import TalkerEngine
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine, ThinkerStart
-from mstar.services.engines.loop_graph import LoopGraphs, pad_rows
+from mstar.services.engines.loop_graph import CaptureFailed, LoopGraphs, pad_rows
 
 
 def test_span_and_batch_buckets():
@@ -187,7 +187,7 @@ def test_a_failed_capture_turns_graphs_off_and_reruns_eagerly(parts, monkeypatch
     def failing(self, inputs):
         tried.append(self.buckets)
         if self.buckets:
-            raise RuntimeError(f"loop '{self.name}': capturing bucket 4 failed: out of memory")
+            raise CaptureFailed(f"loop '{self.name}': capturing bucket 4 failed: out of memory")
         return eager(self, inputs)
 
     monkeypatch.setattr(LoopGraphs, "run", failing)
@@ -232,3 +232,32 @@ def test_cuda_graph_replays_equal_the_eager_body(checkpoint, dtype):
                 assert (now[real].float() - then[real].float()).abs().max() <= tol * then[real].float().abs().max()
         assert decode.graphs and sorted(decode.loops) == [128, 256]  # no capture failed
         assert [loop.stats.graph_replays for loop in decode.loops.values()] == [1, 1]
+
+
+def test_a_failed_predictor_capture_turns_its_graphs_off_and_reruns_eagerly(parts, monkeypatch, caplog):
+    """The code predictor's frame loop, as on CUDA when a capture raises: logged, the same codes
+    eagerly from then on."""
+    from mstar.models.qwen3_omni.predictor_loop import PredictorLoop
+    from mstar.models.qwen3_omni.talker import PREDICTOR_SAMPLING
+
+    cp = parts.talker.code_predictor
+    h = cp.cfg.hidden_size
+    hidden, e0 = torch.randn(2, h, generator=torch.Generator().manual_seed(1)), torch.randn(2, h)
+    greedy = torch.ones(2, dtype=torch.bool)
+    with torch.inference_mode():
+        want = PredictorLoop(cp, PREDICTOR_SAMPLING, torch.device("cpu"), False).run(hidden, e0, greedy, [None, None])
+    loop = PredictorLoop(cp, PREDICTOR_SAMPLING, torch.device("cpu"), True)  # buckets as a CUDA loop's
+    eager, tried = LoopGraphs.run, []
+
+    def failing(self, inputs):
+        tried.append(self.buckets)
+        if self.buckets:
+            raise CaptureFailed(f"loop '{self.name}': capturing bucket 2 failed: out of memory")
+        return eager(self, inputs)
+
+    monkeypatch.setattr(LoopGraphs, "run", failing)
+    with torch.inference_mode():
+        got = loop.run(hidden, e0, greedy, [None, None])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert tried[0] and tried[1:] == [()] and loop.loop.buckets == ()
+    assert "code predictor: CUDA graphs off" in caplog.text
