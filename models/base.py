@@ -163,6 +163,11 @@ class LoopBodyNode(NodeSubmodule):
     def step(self, inputs: dict[str, torch.Tensor], iteration: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def example_inputs(self) -> dict[str, torch.Tensor] | None:
+        """One request's loop inputs (no batch dim), or None: on CUDA the node group runs the loop once
+        on them at start-up, so the first request finds bucket 1 compiled and captured."""
+        return None
+
     def forward(self, batch: Any) -> list[dict[str, torch.Tensor]]:
         raise TypeError("a LoopBodyNode runs its whole loop through step(), not forward")
 

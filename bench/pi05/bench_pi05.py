@@ -7,7 +7,8 @@ median of ``--reps`` after ``--warmup`` (CUDA-synchronised wall time):
 
 - engine: ``vision`` (SigLIP over every camera + projector), ``prefix`` (the prefix K / V),
   ``loop_eager`` / ``loop_graph`` (the 10 Euler steps as ``LoopGraphs`` runs them: eagerly, or as one
-  CUDA graph replay), ``e2e`` (vision + prefix + the graph loop: one action chunk);
+  CUDA graph replay), ``loop_graph_attend`` (the graph loop with the expert's attention as ``attend``
+  instead of its Triton kernels), ``e2e`` (vision + prefix + the graph loop: one action chunk);
 - baseline: transformers' ``SiglipVisionModel``, a ``Linear`` projector, ``GemmaModel`` (2B) for the
   prefix cache and the expert's ``GemmaDecoderLayer`` weights driven as openpi's ``PI0Pytorch`` drives
   them (adaRMS patched in: a ``dense`` per norm from the per-step time MLP, prefix K / V concatenated
@@ -71,14 +72,20 @@ def make_inputs(cfg: Pi05Config, b: int, device: str, seed: int = 0):
 class Engine:
     """The model as the node groups run it: vision, prefix, then the loop through ``LoopGraphs``."""
 
-    def __init__(self, policy: Pi05, device: str, dtype: torch.dtype, buckets: tuple[int, ...], graphs: bool):
+    def __init__(self, policy: Pi05, device: str, dtype: torch.dtype, buckets: tuple[int, ...], graphs: bool,
+                 compiled: bool):
         self.policy, self.dtype = policy, dtype
-        self.vision_graphs = vision_graphs(policy.vision, device, buckets=IMAGE_BUCKETS if graphs else ())
-        self.prefix_graphs = prefix_graphs(policy.prefix, device, buckets=buckets if graphs else ())
+        self.vision_graphs = vision_graphs(policy.vision, device, IMAGE_BUCKETS if graphs else (), compiled)
+        self.prefix_graphs = prefix_graphs(policy.prefix, device, buckets if graphs else (), compiled)
+        if compiled:
+            policy.expert.compile()
         body = lambda inputs, i: {"x": policy.expert.step(inputs["x"], inputs["prefix_kv"], inputs["prefix_valid"], i)}  # noqa: E731
         steps = policy.cfg.num_steps
         self.eager = LoopGraphs(body, steps, ("x",), device, buckets=(), name="eager")
         self.graph = LoopGraphs(body, steps, ("x",), device, buckets=buckets, name="graph")
+        # the same graph loop with the expert's attention as ``attend`` (two GEMMs and a softmax over the
+        # concatenated keys) instead of the Triton kernels: their A/B in one run
+        self.graph_attend = LoopGraphs(body, steps, ("x",), device, buckets=buckets, name="graph_attend")
 
     @torch.inference_mode()
     def vision(self, images, image_mask):
@@ -92,6 +99,14 @@ class Engine:
 
     def loop(self, loops: LoopGraphs, noise, kv, valid):
         return loops.run({"x": noise, "prefix_kv": kv, "prefix_valid": valid})["x"]
+
+    def loop_attend(self, noise, kv, valid):
+        expert = self.policy.expert
+        kernel, expert.attention_kernel = expert.attention_kernel, None
+        try:
+            return self.loop(self.graph_attend, noise, kv, valid)
+        finally:
+            expert.attention_kernel = kernel
 
     def e2e(self, images, image_mask, tokens, token_mask, noise):
         kv, valid = self.prefix(self.vision(images, image_mask), image_mask, tokens, token_mask)
@@ -217,6 +232,30 @@ def kv_of(cache, i: int):
     return cache[i][0], cache[i][1]
 
 
+def profile_parts(folder: str, parts: dict[str, Callable[[], object]], device: str, reps: int = 3) -> None:
+    """Each part's kernels over ``reps`` runs (after one unprofiled run): a table by CUDA time, and
+    the kernel count per run, to ``folder/<part>.txt``."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    for name, fn in parts.items():
+        fn()
+        sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(reps):
+                fn()
+            sync(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total",
+                                          row_limit=40, max_name_column_width=90)
+        gpu_us = sum(e.device_time for e in kernels) / reps
+        with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+            f.write(f"{name}: {len(kernels) / reps:.0f} kernels and {gpu_us:.0f} us of kernel time a run ({reps} runs)\n\n{table}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -227,7 +266,10 @@ def main() -> None:
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="the baseline under torch.compile (auto: on CUDA)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--engine-graphs", choices=("on", "off"), default="on", help="vision and prefix as CUDA graphs")
-    ap.add_argument("--engine-compile", choices=("on", "off"), default="on", help="the expert step under torch.compile")
+    ap.add_argument("--engine-compile", choices=("on", "off"), default="on",
+                    help="vision, prefix and expert step under torch.compile (the served default on CUDA)")
+    ap.add_argument("--profile", metavar="DIR", help="also write each engine part's CUDA kernel table (torch.profiler, "
+                    "first batch size) to DIR/<part>.txt")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -238,9 +280,8 @@ def main() -> None:
     reps, warmup = (3, 1) if args.tiny else (args.reps, args.warmup)
     torch.manual_seed(0)
     policy = random_policy(cfg, device, dtype, seed=0)
-    if args.engine_compile == "on" and device.startswith("cuda"):
-        policy.expert.compile()
-    engine = Engine(policy, device, dtype, buckets=tuple(batches), graphs=args.engine_graphs == "on")
+    engine = Engine(policy, device, dtype, buckets=tuple(batches), graphs=args.engine_graphs == "on",
+                    compiled=args.engine_compile == "on" and device.startswith("cuda"))
     compile_parts = args.compile == "on" or (args.compile == "auto" and device.startswith("cuda"))
     baseline = None if args.no_baseline else Baseline(policy, device, dtype, compile_parts)
     result = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu",
@@ -259,7 +300,17 @@ def main() -> None:
                "loop_eager_ms": median_ms(lambda: engine.loop(engine.eager, noise, kv, valid), device, reps, warmup),  # noqa: B023
                "loop_graph_ms": median_ms(lambda: engine.loop(engine.graph, noise, kv, valid), device, reps, warmup),  # noqa: B023
                "e2e_ms": median_ms(lambda: engine.e2e(images, image_mask, tokens, token_mask, noise), device, reps, warmup)}  # noqa: B023
+        if policy.expert.attention_kernel is not None:
+            row["loop_graph_attend_ms"] = median_ms(lambda: engine.loop_attend(noise, kv, valid), device, reps, warmup)  # noqa: B023
+            row["loop_kernels_vs_attend_max_abs_diff"] = float((engine.loop(engine.graph, noise, kv, valid)
+                                                                - engine.loop_attend(noise, kv, valid)).abs().max())
         row["loop_graph_replays"] = engine.graph.stats.graph_replays
+        if args.profile and b == batches[0]:
+            profile_parts(args.profile, {
+                "vision": lambda: engine.vision(images, image_mask),  # noqa: B023
+                "prefix": lambda: engine.prefix(image_tokens, image_mask, tokens, token_mask),  # noqa: B023
+                "loop_graph": lambda: engine.loop(engine.graph, noise, kv, valid),  # noqa: B023
+                "loop_eager": lambda: engine.loop(engine.eager, noise, kv, valid)}, device)  # noqa: B023
         row["chunks_per_s"] = b / row["e2e_ms"] * 1e3
         ours = engine.e2e(images, image_mask, tokens, token_mask, noise)
         if baseline is not None:

@@ -36,8 +36,11 @@ def write_tokenizer(directory: Path) -> None:
 
 
 def write_demo_checkpoint(directory: str | Path, cfg: Pi05Config | None = None, seed: int = 0,
-                          stats: bool = True) -> Path:
-    directory = write_checkpoint(directory, cfg or tiny_config(), seed=seed)
+                          stats: bool = True, dtype=None) -> Path:
+    """``dtype``: the tensors' (default float32; the full-size benchmark writes bfloat16)."""
+    import torch
+
+    directory = write_checkpoint(directory, cfg or tiny_config(), seed=seed, dtype=dtype or torch.float32)
     write_tokenizer(directory)
     if stats:
         rng = np.random.default_rng(seed)

@@ -19,7 +19,8 @@ class Pi05Settings(Knobs):
     action_horizon: int | None = Field(None, ge=1, le=256, description="actions per chunk (default: the checkpoint's, 50)")
     num_steps: int = Field(10, ge=1, le=100, description="Euler steps of the flow")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="default: bfloat16 on CUDA")
-    compile: bool = Field(False, description="the expert step under torch.compile inside its CUDA graph")
+    compile: bool | None = Field(None, description="vision, prefix and expert step under torch.compile inside "
+                                 "their CUDA graphs (default: on a GPU; never on a CPU)")
 
 
 class Pi05Request(Knobs):

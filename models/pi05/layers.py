@@ -45,7 +45,47 @@ class SiglipEmbeddings(nn.Module):
         return x.flatten(2).transpose(1, 2) + self.position_embedding.weight
 
 
-class SiglipAttention(nn.Module):
+class FusedProjections:
+    """Several ``nn.Linear`` of one input computed as one GEMM: ``fuse()`` concatenates their weights
+    (and biases) into one tensor and re-points each Linear's parameters to views of it, so the weights
+    are held once and ``state_dict`` / checkpoint names are unchanged. Call it last, after loading and
+    any ``.to()`` (a later cast or move would copy the views apart)."""
+
+    fused_names: tuple[str, ...] = ()
+    fused_weight: torch.Tensor | None = None
+    fused_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        linears = [getattr(self, n) for n in self.fused_names]
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        row = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+            row += rows
+        self.fused_weight, self.fused_bias = weight, bias
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The concatenated outputs of ``fused_names``, in that order."""
+        if self.fused_weight is None:
+            raise RuntimeError(f"{type(self).__name__}: call fuse() once its weights are loaded")
+        return F.linear(x, self.fused_weight, self.fused_bias)
+
+
+def fuse_projections(module: nn.Module) -> nn.Module:
+    """``fuse()`` every fusable block of ``module`` (q / k / v, gate / up); returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, FusedProjections):
+            m.fuse()
+    return module
+
+
+class SiglipAttention(FusedProjections, nn.Module):
+    fused_names = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.heads = cfg.heads
@@ -53,7 +93,7 @@ class SiglipAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, _ = x.shape
-        q, k, v = (p(x).view(n, t, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.fused(x).view(n, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         return self.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, -1))
 
 
@@ -134,7 +174,9 @@ class AdaRMSNorm(nn.Module):
         return out.to(x.dtype), gate.to(x.dtype)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(FusedProjections, nn.Module):
+    fused_names = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
         self.q_proj = nn.Linear(cfg.width, cfg.heads * cfg.head_dim, bias=False)
@@ -143,7 +185,9 @@ class GemmaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.width, bias=False)
 
 
-class GemmaMLP(nn.Module):
+class GemmaMLP(FusedProjections, nn.Module):
+    fused_names = ("gate_proj", "up_proj")
+
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.width, cfg.mlp, bias=False)
@@ -151,7 +195,8 @@ class GemmaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.mlp, cfg.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.fused(x).chunk(2, dim=-1)
+        return self.down_proj(gelu_tanh(gate) * up)
 
 
 class GemmaLayer(nn.Module):
@@ -165,11 +210,9 @@ class GemmaLayer(nn.Module):
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [B, T, width] (normed) -> q [B, heads, T, D], k / v [B, kv_heads, T, D], RoPE applied."""
         b, t, _ = h.shape
-        a, d = self.self_attn, self.cfg.head_dim
-        q = a.q_proj(h).view(b, t, -1, d).transpose(1, 2)
-        k = a.k_proj(h).view(b, t, -1, d).transpose(1, 2)
-        v = a.v_proj(h).view(b, t, -1, d).transpose(1, 2)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        c, d = self.cfg, self.cfg.head_dim
+        q, k, v = self.self_attn.fused(h).view(b, t, -1, d).split([c.heads, c.kv_heads, c.kv_heads], dim=2)
+        return rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 kv_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,13 +228,19 @@ class GemmaLayer(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention, one softmax over all keys: q [B, H, T, D], k / v [B, Hkv, S, D],
     ``mask`` additive, broadcastable to [B, 1, T, S] -> [B, T, H * D]. The query heads of a KV head
-    are folded into its rows (no K/V copies)."""
+    are folded into its rows (no K/V copies).
+
+    Written out as the reference's eager attention is (scores in the activations' dtype, softmax in
+    fp32): two GEMMs and one fused softmax under torch.compile. A fused SDPA kernel is slower at
+    these shapes: one KV head and few query rows give it a handful of thread blocks (cuDNN's took
+    58 us a layer for the expert's 400 x 1018 scores at batch 1 on an H100)."""
     b, h, t, d = q.shape
     hkv = k.shape[1]
     qf = q.reshape(b, hkv, (h // hkv) * t, d)
     m = mask if mask.shape[-2] == 1 else mask.repeat(1, 1, h // hkv, 1)  # a key-only mask broadcasts
-    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=d**-0.5)
-    return o.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * d**-0.5
+    weights = torch.softmax(scores.float() + m, dim=-1).to(v.dtype)
+    return torch.matmul(weights, v).reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
 
 
 def rope_inv_freq(cfg: GemmaConfig, device: torch.device | str | None = None) -> torch.Tensor:

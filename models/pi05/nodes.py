@@ -34,21 +34,35 @@ def node_dtype(ctx: NodeContext) -> torch.dtype:
     return DTYPES[name]
 
 
-def vision_graphs(tower: VisionTower, device: str, buckets=IMAGE_BUCKETS) -> LoopGraphs:
+def use_compile(ctx: NodeContext) -> bool:
+    """``model_kwargs.compile``: torch.compile inside the CUDA graphs; on by default on a GPU (eager, the
+    graphs replay ~1000 small unfused kernels a pass), never on a CPU."""
+    flag = ctx.model_kwargs.get("compile")
+    return ctx.device.startswith("cuda") and (flag is None or bool(flag))
+
+
+def vision_graphs(tower: VisionTower, device: str, buckets=IMAGE_BUCKETS, compiled: bool = False) -> LoopGraphs:
     """uint8 images [N, 3, S, S] -> image tokens [N, T, W]; one CUDA graph per bucket of N on a GPU
-    (eager on a CPU): the tower is ~400 kernels, launch-bound when eager at N = 3."""
+    (eager on a CPU), the tower under torch.compile inside it with ``compiled``."""
     dtype = tower.projector.weight.dtype
-    return LoopGraphs(lambda i, _: {"tokens": tower(pixels_from_uint8(i["images"], dtype))}, 1, (), device, buckets,
+    fn = torch.compile(tower) if compiled else tower
+    return LoopGraphs(lambda i, _: {"tokens": fn(pixels_from_uint8(i["images"], dtype))}, 1, (), device, buckets,
                       name="vit_encoder")
 
 
-def prefix_graphs(lm: PrefixLM, device: str, buckets=BATCH_BUCKETS) -> LoopGraphs:
+def prefix_graphs(lm: PrefixLM, device: str, buckets=BATCH_BUCKETS, compiled: bool = False) -> LoopGraphs:
     """The prefix of a batch (fixed length: every camera slot and the padded prompt) -> K / V and the
-    valid mask; one CUDA graph per batch bucket on a GPU."""
+    valid mask; one CUDA graph per batch bucket on a GPU, the LM under torch.compile with ``compiled``."""
+    fn = torch.compile(lm) if compiled else lm
+
     def body(i, _):
-        kv, valid = lm(i["image_tokens"], i["image_mask"], i["tokens"], i["token_mask"])
+        kv, valid = fn(i["image_tokens"], i["image_mask"], i["tokens"], i["token_mask"])
         return {"prefix_kv": kv, "prefix_valid": valid}
     return LoopGraphs(body, 1, (), device, buckets, name="llm_prefix")
+
+
+def prefix_length(cfg: Pi05Config) -> int:
+    return len(cfg.cameras) * cfg.vision.tokens + cfg.max_token_len
 
 
 def encode_present(graphs: LoopGraphs, images: torch.Tensor, image_mask: torch.Tensor, tokens: int,
@@ -74,7 +88,10 @@ class VisionNode(NodeSubmodule):
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
         self.device, self.dtype, self.cfg = ctx.device, node_dtype(ctx), cfg
         self.tower = load_module(VisionTower, cfg, weights, ctx.device, self.dtype)
-        self.graphs = vision_graphs(self.tower, ctx.device)
+        self.graphs = vision_graphs(self.tower, ctx.device, compiled=use_compile(ctx))
+        if ctx.device.startswith("cuda"):  # one request's cameras compiled and captured before serving
+            s = cfg.vision.image_size
+            self.graphs.run({"images": torch.zeros(len(cfg.cameras), 3, s, s, dtype=torch.uint8, device=ctx.device)})
 
     @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
@@ -89,8 +106,16 @@ class PrefixNode(NodeSubmodule):
 
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
         self.device = ctx.device
-        self.lm = load_module(PrefixLM, cfg, weights, ctx.device, node_dtype(ctx))
-        self.graphs = prefix_graphs(self.lm, ctx.device)
+        dtype = node_dtype(ctx)
+        self.lm = load_module(PrefixLM, cfg, weights, ctx.device, dtype)
+        self.graphs = prefix_graphs(self.lm, ctx.device, compiled=use_compile(ctx))
+        if ctx.device.startswith("cuda"):  # batch 1 compiled and captured before serving
+            cams, n = len(cfg.cameras), cfg.max_token_len
+            self.graphs.run({"image_tokens": torch.zeros(1, cams * cfg.vision.tokens, cfg.prefix.width, dtype=dtype,
+                                                         device=ctx.device),
+                             "image_mask": torch.ones(1, cams, dtype=torch.bool, device=ctx.device),
+                             "tokens": torch.zeros(1, n, dtype=torch.long, device=ctx.device),
+                             "token_mask": torch.ones(1, n, dtype=torch.bool, device=ctx.device)})
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         out = self.graphs.run({n: stack(calls, n, self.device) for n in ("image_tokens", "image_mask", "tokens", "token_mask")})
@@ -101,12 +126,16 @@ class ActionNode(LoopBodyNode):
     graph_buckets = (1, 2, 4, 8, 16)
 
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
-        self.device = ctx.device
-        self.expert = load_module(ActionExpert, cfg, weights, ctx.device, node_dtype(ctx))
-        # model_kwargs.compile: the step under torch.compile before its loop is captured (opt-in: not yet
-        # run on a GPU inside LoopGraphs' capture; bench/pi05 measures it)
-        if ctx.model_kwargs.get("compile", False):
+        self.device, self.cfg, self.dtype = ctx.device, cfg, node_dtype(ctx)
+        self.expert = load_module(ActionExpert, cfg, weights, ctx.device, self.dtype)
+        if use_compile(ctx):  # the step under torch.compile, inside the loop's CUDA graph
             self.expert.compile()
+
+    def example_inputs(self) -> dict[str, torch.Tensor]:
+        c, e, p = self.cfg, self.cfg.expert, prefix_length(self.cfg)
+        return {"x": torch.zeros(c.action_horizon, c.action_dim, device=self.device),
+                "prefix_kv": torch.zeros(e.depth, 2, e.kv_heads, p, e.head_dim, dtype=self.dtype, device=self.device),
+                "prefix_valid": torch.ones(p, dtype=torch.bool, device=self.device)}
 
     def step(self, inputs: dict[str, torch.Tensor], iteration: int) -> dict[str, torch.Tensor]:
         x = self.expert.step(inputs["x"], inputs["prefix_kv"], inputs["prefix_valid"], iteration)

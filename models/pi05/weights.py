@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mstar.models.pi05.config import Pi05Config
-from mstar.models.pi05.layers import rope_inv_freq
+from mstar.models.pi05.layers import fuse_projections, rope_inv_freq
 from mstar.models.pi05.policy import ActionExpert, Pi05, PrefixLM, VisionTower
 
 WEIGHTS_FILE = "model.safetensors"
@@ -100,7 +100,8 @@ class CheckpointFile:
 
 def load_module(cls: type[nn.Module], cfg: Pi05Config, path: str | Path, device: str, dtype: torch.dtype) -> nn.Module:
     """A node module with its weights from ``path``, on ``device`` in ``dtype`` (the expert keeps its
-    action projections in fp32 and tabulates its adaRMS modulation in fp32 first)."""
+    action projections in fp32 and tabulates its adaRMS modulation in fp32 first), its projections
+    fused (``fuse_projections``)."""
     with torch.device("meta"):
         module = cls(cfg)
     module = module.to_empty(device=device)
@@ -110,8 +111,11 @@ def load_module(cls: type[nn.Module], cfg: Pi05Config, path: str | Path, device:
     if isinstance(module, ActionExpert):
         module.tabulate()
         _expert_dtypes(module, dtype)
-        return module.eval()
-    return module.to(dtype).eval()
+        if str(device).startswith("cuda"):
+            module.use_kernels()
+    else:
+        module.to(dtype)
+    return fuse_projections(module.eval())
 
 
 def layout(cfg: Pi05Config) -> dict[str, tuple[int, ...]]:
@@ -168,7 +172,9 @@ def random_policy(cfg: Pi05Config, device: str, dtype: torch.dtype, seed: int = 
     policy.expert.tabulate()
     policy.vision.to(dtype), policy.prefix.to(dtype)
     _expert_dtypes(policy.expert, dtype)
-    return policy.eval()
+    if str(device).startswith("cuda"):
+        policy.expert.use_kernels()
+    return fuse_projections(policy.eval())
 
 
 def _expert_dtypes(expert: ActionExpert, dtype: torch.dtype) -> None:
@@ -180,13 +186,15 @@ def _expert_dtypes(expert: ActionExpert, dtype: torch.dtype) -> None:
     expert.modulation = modulation
 
 
-def write_checkpoint(directory: str | Path, cfg: Pi05Config, seed: int = 0, prefix: str = "") -> Path:
-    """``model.safetensors`` (names prefixed by ``prefix``, e.g. ``model.``) and ``config.json``."""
+def write_checkpoint(directory: str | Path, cfg: Pi05Config, seed: int = 0, prefix: str = "",
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """``model.safetensors`` (names prefixed by ``prefix``, e.g. ``model.``; tensors in ``dtype``) and
+    ``config.json``."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({prefix + k: v for k, v in random_tensors(cfg, seed).items()}, str(directory / WEIGHTS_FILE))
+    save_file({prefix + k: v.to(dtype) for k, v in random_tensors(cfg, seed).items()}, str(directory / WEIGHTS_FILE))
     (directory / "config.json").write_text(json.dumps(cfg.to_json(), indent=1))
     return directory
 

@@ -47,8 +47,11 @@ class WholeLoops:
                 lp = plan.nodes[node].loop
                 assert lp is not None
                 carried = tuple(sorted(plan.nodes[node].carried_slots))
-                self.loops[(walk, node)] = LoopGraphs(sub.step, lp.max_iters, carried, sub.device, sub.graph_buckets,
-                                                      name=f"{walk}/{node}")
+                loops = self.loops[(walk, node)] = LoopGraphs(sub.step, lp.max_iters, carried, sub.device,
+                                                              sub.graph_buckets, name=f"{walk}/{node}")
+                example = sub.example_inputs() if str(sub.device).startswith("cuda") else None
+                if example is not None:  # warm bucket 1 before serving (torch.compile, the capture)
+                    loops.run({k: v.unsqueeze(0) for k, v in example.items()})
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.loops
