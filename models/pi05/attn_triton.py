@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-#: rows of the query block and keys per inner iteration; warps per program
-BLOCK_M, BLOCK_N, NUM_WARPS = 64, 64, 8
+#: rows of the query block and keys per inner iteration; warps per program; software-pipeline stages
+#: of the key loop (3, Triton's default, needs 352 KB of shared memory at head_dim 256: over an H100's)
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 8, 2
 #: programs to aim for (about two per SM of an H100), and the fewest key blocks a split takes
 TARGET_PROGRAMS, MIN_BLOCKS_PER_SPLIT = 264, 2
 
@@ -147,7 +148,7 @@ def joint_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Ten
         prefix_k, prefix_v, prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         own_k, own_v, own_k.stride(0), own_k.stride(1), own_v.stride(0), own_v.stride(1),
         prefix_valid, p, out, part, ml, qk_scale, t, rows, rb, chunk,
-        H=h, D=d, BM=BLOCK_M, BN=BLOCK_N, SPLITS=splits, num_warps=NUM_WARPS)
+        H=h, D=d, BM=BLOCK_M, BN=BLOCK_N, SPLITS=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         _merge_kernel[(b * rb,)](part, ml, out, t, rows, rb, H=h, D=d, BM=BLOCK_M, SPLITS=splits, num_warps=NUM_WARPS)
     return out

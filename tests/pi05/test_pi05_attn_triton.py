@@ -48,6 +48,12 @@ def test_joint_attention_matches_attend(b, p):
     torch.testing.assert_close(got.float(), reference(*args), atol=ATOL, rtol=0)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the real shapes' tiles (head_dim 256) need a GPU's shared memory")
+def test_the_real_shapes():
+    args = case(1, heads=8, t=50, p=968, d=256)
+    torch.testing.assert_close(attn_triton.joint_attention(*args).float(), reference(*args), atol=ATOL, rtol=0)
+
+
 def test_one_split_and_many_agree(monkeypatch):
     args = case(1, heads=8, t=10, p=300, d=16, seed=7)
     monkeypatch.setattr(attn_triton, "TARGET_PROGRAMS", 1)  # one split: the split kernel writes the output
