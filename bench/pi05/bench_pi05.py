@@ -7,8 +7,7 @@ median of ``--reps`` after ``--warmup`` (CUDA-synchronised wall time):
 
 - engine: ``vision`` (SigLIP over every camera + projector), ``prefix`` (the prefix K / V),
   ``loop_eager`` / ``loop_graph`` (the 10 Euler steps as ``LoopGraphs`` runs them: eagerly, or as one
-  CUDA graph replay), ``loop_graph_attend`` (the graph loop with the expert's attention as ``attend``
-  instead of its Triton kernels), ``e2e`` (vision + prefix + the graph loop: one action chunk);
+  CUDA graph replay), ``e2e`` (vision + prefix + the graph loop: one action chunk);
 - baseline: transformers' ``SiglipVisionModel``, a ``Linear`` projector, ``GemmaModel`` (2B) for the
   prefix cache and the expert's ``GemmaDecoderLayer`` weights driven as openpi's ``PI0Pytorch`` drives
   them (adaRMS patched in: a ``dense`` per norm from the per-step time MLP, prefix K / V concatenated
@@ -83,9 +82,6 @@ class Engine:
         steps = policy.cfg.num_steps
         self.eager = LoopGraphs(body, steps, ("x",), device, buckets=(), name="eager")
         self.graph = LoopGraphs(body, steps, ("x",), device, buckets=buckets, name="graph")
-        # the same graph loop with the expert's attention as ``attend`` (two GEMMs and a softmax over the
-        # concatenated keys) instead of the Triton kernels: their A/B in one run
-        self.graph_attend = LoopGraphs(body, steps, ("x",), device, buckets=buckets, name="graph_attend")
 
     @torch.inference_mode()
     def vision(self, images, image_mask):
@@ -99,15 +95,6 @@ class Engine:
 
     def loop(self, loops: LoopGraphs, noise, kv, valid):
         return loops.run({"x": noise, "prefix_kv": kv, "prefix_valid": valid})["x"]
-
-    def loop_attend(self, noise, kv, valid):
-        expert = self.policy.expert
-        kernel, expert.attention_kernel = expert.attention_kernel, None
-        try:
-            return self.loop(self.graph_attend, noise, kv, valid)
-        finally:
-            expert.attention_kernel = kernel
-
     def e2e(self, images, image_mask, tokens, token_mask, noise):
         kv, valid = self.prefix(self.vision(images, image_mask), image_mask, tokens, token_mask)
         return self.loop(self.graph, noise, kv, valid)
@@ -300,10 +287,6 @@ def main() -> None:
                "loop_eager_ms": median_ms(lambda: engine.loop(engine.eager, noise, kv, valid), device, reps, warmup),  # noqa: B023
                "loop_graph_ms": median_ms(lambda: engine.loop(engine.graph, noise, kv, valid), device, reps, warmup),  # noqa: B023
                "e2e_ms": median_ms(lambda: engine.e2e(images, image_mask, tokens, token_mask, noise), device, reps, warmup)}  # noqa: B023
-        if policy.expert.attention_kernel is not None:
-            row["loop_graph_attend_ms"] = median_ms(lambda: engine.loop_attend(noise, kv, valid), device, reps, warmup)  # noqa: B023
-            row["loop_kernels_vs_attend_max_abs_diff"] = float((engine.loop(engine.graph, noise, kv, valid)
-                                                                - engine.loop_attend(noise, kv, valid)).abs().max())
         row["loop_graph_replays"] = engine.graph.stats.graph_replays
         if args.profile and b == batches[0]:
             profile_parts(args.profile, {

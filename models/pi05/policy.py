@@ -4,9 +4,8 @@
 - ``PrefixLM``: image tokens + prompt embeddings (scaled by sqrt(width) once) through Gemma-2B,
   bidirectional over the valid tokens -> every layer's K / V (the prefix never sees the suffix);
 - ``ActionExpert``: one Euler step of the flow, the Gemma-300M expert with adaRMS whose layer i
-  attends over layer i's prefix K / V and its own (one softmax; on CUDA the Triton kernels of
-  ``attn_triton``), positions continuing after the valid prefix. The adaRMS modulation depends on t
-  only, so it is tabulated per step at load time.
+  attends over layer i's prefix K / V and its own (one softmax), positions continuing after the valid
+  prefix. The adaRMS modulation depends on t only, so it is tabulated per step at load time.
 
 ``sample_actions`` chains them as the reference's ``sample_actions`` does (tests and the benchmark).
 """
@@ -103,15 +102,6 @@ class ActionExpert(nn.Module):
         self.times = euler_times(cfg.num_steps)
         self.dt = -1.0 / cfg.num_steps
         self.register_buffer("modulation", torch.zeros(cfg.num_steps, 2 * e.depth + 1, 3 * e.width), persistent=False)
-        #: the joint attention's kernels (``attn_triton.joint_attention``, set by ``use_kernels`` on CUDA);
-        #: None: ``attend`` over the concatenated keys, the reference's formulation (a CPU's path)
-        self.attention_kernel = None
-
-    def use_kernels(self) -> None:
-        """The joint attention through the Triton kernels (a CUDA module)."""
-        from mstar.models.pi05.attn_triton import joint_attention
-
-        self.attention_kernel = joint_attention
 
     @torch.no_grad()
     def tabulate(self) -> None:
@@ -145,20 +135,14 @@ class ActionExpert(nn.Module):
         b, n = h.shape[:2]
         positions = prefix_valid.sum(1, keepdim=True) + torch.arange(n, device=h.device)
         cos, sin = rope_tables(positions, self.inv_freq, dtype)
-        kernel = self.attention_kernel if self.cfg.expert.kv_heads == 1 else None
-        if kernel is None:
-            ones = torch.ones(b, n, dtype=torch.bool, device=h.device)
-            mask = additive_mask(torch.cat([prefix_valid, ones], dim=1)[:, None, None, :], dtype)
+        ones = torch.ones(b, n, dtype=torch.bool, device=h.device)
+        mask = additive_mask(torch.cat([prefix_valid, ones], dim=1)[:, None, None, :], dtype)
         for i, layer in enumerate(self.layers):
             normed, gate = layer.input_layernorm(h, mod[2 * i])
             q, k, v = layer.qkv(normed, cos, sin)
-            if kernel is not None:
-                o = kernel(q, kv[:, i, 0, 0].to(dtype), kv[:, i, 1, 0].to(dtype), k[:, 0], v[:, 0], prefix_valid)
-            else:
-                keys = torch.cat([kv[:, i, 0].to(dtype), k], dim=2)
-                values = torch.cat([kv[:, i, 1].to(dtype), v], dim=2)
-                o = attend(q, keys, values, mask)
-            h = h + layer.self_attn.o_proj(o) * gate
+            keys = torch.cat([kv[:, i, 0].to(dtype), k], dim=2)
+            values = torch.cat([kv[:, i, 1].to(dtype), v], dim=2)
+            h = h + layer.self_attn.o_proj(attend(q, keys, values, mask)) * gate
             normed, gate = layer.post_attention_layernorm(h, mod[2 * i + 1])
             h = h + layer.mlp(normed) * gate
         out, _ = self.norm(h, mod[-1])

@@ -111,8 +111,6 @@ def load_module(cls: type[nn.Module], cfg: Pi05Config, path: str | Path, device:
     if isinstance(module, ActionExpert):
         module.tabulate()
         _expert_dtypes(module, dtype)
-        if str(device).startswith("cuda"):
-            module.use_kernels()
     else:
         module.to(dtype)
     return fuse_projections(module.eval())
@@ -172,8 +170,6 @@ def random_policy(cfg: Pi05Config, device: str, dtype: torch.dtype, seed: int = 
     policy.expert.tabulate()
     policy.vision.to(dtype), policy.prefix.to(dtype)
     _expert_dtypes(policy.expert, dtype)
-    if str(device).startswith("cuda"):
-        policy.expert.use_kernels()
     return fuse_projections(policy.eval())
 
 
