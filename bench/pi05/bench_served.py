@@ -5,8 +5,9 @@ through the gateway (``POST /generate``, raw float32 answer), as a robot calls i
 prefix LM and the action expert on one GPU: ``models/pi05/configs/default.yaml``) started by the
 launcher on a full-size random checkpoint written in the real layout (bf16, the demo tokenizer and
 an 8-dimensional robot's statistics), 3 cameras as 224 px JPEGs, a task, 8 state values, a seed.
-Sequential requests at one client (latency: p50 / p90 after ``--warmup``), then ``--concurrency``
-clients at once over gRPC (action chunks per second). JSON to ``--out``.
+Sequential requests at one client (latency: p50 / p90 after ``--warmup``; the mean host time of each
+node's batches from the mesh's metrics), then ``--concurrency`` clients at once over gRPC (action
+chunks per second). JSON to ``--out``.
 
     python bench/pi05/bench_served.py --out bench/results/pi05/served.json
     python bench/pi05/bench_served.py --tiny --device cpu --out /tmp/served.json   # smoke test
@@ -72,6 +73,34 @@ def act_request(seed: int):
 
     images = [cpb.CameraImage(name=n, data=jpeg(i), mime_type="image/jpeg") for i, n in enumerate(CAMERAS)]
     return cpb.ActRequest(model="pi05", task=TASK, images=images, state=[0.1 * i for i in range(8)], seed=seed)
+
+
+def scrape(urls: dict[str, str]) -> dict[str, float]:
+    """Every ``_sum`` / ``_count`` series of the mesh's duration histograms, by service and labels."""
+    import urllib.request
+
+    out = {}
+    for service, url in urls.items():
+        with urllib.request.urlopen(url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(("mstar_node_group_step_seconds_", "mstar_request_duration_seconds_",
+                                    "mstar_time_to_first_output_seconds_")) and ("_sum" in line or "_count" in line):
+                    name, value = line.rsplit(" ", 1)
+                    out[f"{service}:{name}"] = float(value)
+    return out
+
+
+def step_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms of each histogram over the requests between two scrapes (host time of each node's
+    batches, routing included; the conductor's end-to-end)."""
+    means = {}
+    for key, total in after.items():
+        if "_sum" in key:
+            count_key = key.replace("_sum", "_count")
+            n = after.get(count_key, 0) - before.get(count_key, 0)
+            if n:
+                means[key.replace("_sum", "")] = (total - before.get(key, 0.0)) / n * 1e3
+    return means
 
 
 def summary(times: list[float]) -> dict:
@@ -164,6 +193,9 @@ def main() -> None:
         try:
             gateway = next(s for s in mesh.services if s.kind == "gateway")
             levels = [int(c) for c in args.concurrency.split(",") if c]
+            before = scrape(mesh.metrics_urls())
+            result |= asyncio.run(grpc_levels(mesh.conductor_address, args.requests, args.warmup, []))
+            result["grpc_1_step_ms"] = step_means(before, scrape(mesh.metrics_urls()))
             result |= asyncio.run(grpc_levels(mesh.conductor_address, args.requests, args.warmup, levels))
             result |= asyncio.run(gateway_level(f"http://{gateway.address}", args.requests, args.warmup))
         finally:

@@ -89,9 +89,10 @@ class VisionNode(NodeSubmodule):
         self.device, self.dtype, self.cfg = ctx.device, node_dtype(ctx), cfg
         self.tower = load_module(VisionTower, cfg, weights, ctx.device, self.dtype)
         self.graphs = vision_graphs(self.tower, ctx.device, compiled=use_compile(ctx))
-        if ctx.device.startswith("cuda"):  # one request's cameras compiled and captured before serving
+        if ctx.device.startswith("cuda"):  # every bucket compiled and captured before serving
             s = cfg.vision.image_size
-            self.graphs.run({"images": torch.zeros(len(cfg.cameras), 3, s, s, dtype=torch.uint8, device=ctx.device)})
+            for n in self.graphs.buckets:
+                self.graphs.run({"images": torch.zeros(n, 3, s, s, dtype=torch.uint8, device=ctx.device)})
 
     @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
@@ -109,13 +110,14 @@ class PrefixNode(NodeSubmodule):
         dtype = node_dtype(ctx)
         self.lm = load_module(PrefixLM, cfg, weights, ctx.device, dtype)
         self.graphs = prefix_graphs(self.lm, ctx.device, compiled=use_compile(ctx))
-        if ctx.device.startswith("cuda"):  # batch 1 compiled and captured before serving
-            cams, n = len(cfg.cameras), cfg.max_token_len
-            self.graphs.run({"image_tokens": torch.zeros(1, cams * cfg.vision.tokens, cfg.prefix.width, dtype=dtype,
-                                                         device=ctx.device),
-                             "image_mask": torch.ones(1, cams, dtype=torch.bool, device=ctx.device),
-                             "tokens": torch.zeros(1, n, dtype=torch.long, device=ctx.device),
-                             "token_mask": torch.ones(1, n, dtype=torch.bool, device=ctx.device)})
+        if ctx.device.startswith("cuda"):  # every bucket compiled and captured before serving
+            cams, n, dev = len(cfg.cameras), cfg.max_token_len, ctx.device
+            for b in self.graphs.buckets:
+                self.graphs.run({"image_tokens": torch.zeros(b, cams * cfg.vision.tokens, cfg.prefix.width, dtype=dtype,
+                                                             device=dev),
+                                 "image_mask": torch.ones(b, cams, dtype=torch.bool, device=dev),
+                                 "tokens": torch.zeros(b, n, dtype=torch.long, device=dev),
+                                 "token_mask": torch.ones(b, n, dtype=torch.bool, device=dev)})
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         out = self.graphs.run({n: stack(calls, n, self.device) for n in ("image_tokens", "image_mask", "tokens", "token_mask")})

@@ -50,8 +50,9 @@ class WholeLoops:
                 loops = self.loops[(walk, node)] = LoopGraphs(sub.step, lp.max_iters, carried, sub.device,
                                                               sub.graph_buckets, name=f"{walk}/{node}")
                 example = sub.example_inputs() if str(sub.device).startswith("cuda") else None
-                if example is not None:  # warm bucket 1 before serving (torch.compile, the capture)
-                    loops.run({k: v.unsqueeze(0) for k, v in example.items()})
+                for rows in sub.graph_buckets if example is not None else ():
+                    # every bucket compiled and captured before serving: no request pays for a first use
+                    loops.run({k: v.unsqueeze(0).expand(rows, *v.shape) for k, v in example.items()})
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.loops
