@@ -1,7 +1,7 @@
 """What must hold whatever the weights: masked cameras and padding leave the valid rows alone, a batch
 equals its requests run alone, the prompt and the state bins follow the formula, checkpoints load
 under every spelling of their names (and say which file or tensor is missing), statistics load from
-lerobot's and openpi's layouts."""
+lerobot's and openpi's layouts; fused projections keep the checkpoint names."""
 
 import json
 
@@ -153,3 +153,29 @@ def png(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(array).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def test_fused_projections_keep_one_copy_and_the_checkpoint_names():
+    """fuse(): one weight for q / k / v (and gate / up), the Linears' parameters views of it: state_dict
+    keys and values unchanged, a later load_state_dict reaches the fused weight, the concatenated
+    output equals the separate Linears'; an unfused block says what to do."""
+    from mstar.models.pi05.config import tiny_config
+    from mstar.models.pi05.layers import GemmaAttention, GemmaMLP, SiglipAttention
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    for block, names, x in ((GemmaAttention(cfg.prefix), ("q_proj", "k_proj", "v_proj"), torch.randn(2, 5, cfg.prefix.width)),
+                            (GemmaMLP(cfg.prefix), ("gate_proj", "up_proj"), torch.randn(2, 5, cfg.prefix.width)),
+                            (SiglipAttention(cfg.vision), ("q_proj", "k_proj", "v_proj"), torch.randn(2, 5, cfg.vision.hidden))):
+        with pytest.raises(RuntimeError, match="call fuse"):
+            block.fused(x)
+        before = {k: v.clone() for k, v in block.state_dict().items()}
+        want = torch.cat([getattr(block, n)(x) for n in names], dim=-1)
+        block.fuse()
+        after = block.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+        assert all(getattr(block, n).weight.untyped_storage().data_ptr() == block.fused_weight.untyped_storage().data_ptr()
+                   for n in names)
+        torch.testing.assert_close(block.fused(x), want, atol=1e-6, rtol=0)
+        block.load_state_dict({k: v + 1 for k, v in before.items()})
+        torch.testing.assert_close(block.fused_weight, torch.cat([before[f"{n}.weight"] + 1 for n in names]))
