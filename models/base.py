@@ -164,9 +164,9 @@ class LoopBodyNode(NodeSubmodule):
         raise NotImplementedError
 
     def example_inputs(self) -> dict[str, torch.Tensor] | None:
-        """One request's loop inputs (no batch dim), or None: on CUDA the node group runs the loop on
-        them at start-up once per bucket of ``graph_buckets``, so no request waits for a compile or a
-        capture."""
+        """One request's loop inputs (no batch dim), or None: the node group warms the loop on them at
+        start-up (``LoopGraphs.warm``: on CUDA once per bucket of ``graph_buckets``), so no request
+        waits for a compile or a capture."""
         return None
 
     def forward(self, batch: Any) -> list[dict[str, torch.Tensor]]:

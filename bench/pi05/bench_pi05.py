@@ -95,6 +95,7 @@ class Engine:
 
     def loop(self, loops: LoopGraphs, noise, kv, valid):
         return loops.run({"x": noise, "prefix_kv": kv, "prefix_valid": valid})["x"]
+
     def e2e(self, images, image_mask, tokens, token_mask, noise):
         kv, valid = self.prefix(self.vision(images, image_mask), image_mask, tokens, token_mask)
         return self.loop(self.graph, noise, kv, valid)

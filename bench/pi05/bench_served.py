@@ -109,7 +109,10 @@ def summary(times: list[float]) -> dict:
             "min_ms": s[0] * 1e3, "max_ms": s[-1] * 1e3}
 
 
-async def grpc_levels(address: str, requests: int, warmup: int, concurrency: list[int]) -> dict:
+async def grpc_levels(address: str, requests: int, warmup: int, concurrency: list[int],
+                      metrics_urls: dict[str, str]) -> dict:
+    """One client's requests in turn (with each node's mean host time over them, from the mesh's
+    metrics), then each level of ``concurrency``."""
     import grpc
 
     from mstar.services.links import CHANNEL_OPTIONS
@@ -120,6 +123,7 @@ async def grpc_levels(address: str, requests: int, warmup: int, concurrency: lis
         stub = conductor_pb2_grpc.ConductorStub(ch)
         req = act_request(seed=0)
         times, server = [], []
+        before = scrape(metrics_urls)
         for i in range(warmup + requests):
             t0 = time.perf_counter()
             reply = await stub.Act(req, timeout=300)
@@ -128,6 +132,7 @@ async def grpc_levels(address: str, requests: int, warmup: int, concurrency: lis
                 server.append(reply.timings.total_s)
         out["grpc_1"] = summary(times) | {"server_total_p50_ms": statistics.median(server) * 1e3,
                                           "actions_shape": list(reply.actions.shape)}
+        out["grpc_1_step_ms"] = step_means(before, scrape(metrics_urls))
         for c in concurrency:
             async def one():
                 t0 = time.perf_counter()
@@ -193,10 +198,8 @@ def main() -> None:
         try:
             gateway = next(s for s in mesh.services if s.kind == "gateway")
             levels = [int(c) for c in args.concurrency.split(",") if c]
-            before = scrape(mesh.metrics_urls())
-            result |= asyncio.run(grpc_levels(mesh.conductor_address, args.requests, args.warmup, []))
-            result["grpc_1_step_ms"] = step_means(before, scrape(mesh.metrics_urls()))
-            result |= asyncio.run(grpc_levels(mesh.conductor_address, args.requests, args.warmup, levels))
+            result |= asyncio.run(grpc_levels(mesh.conductor_address, args.requests, args.warmup, levels,
+                                              mesh.metrics_urls()))
             result |= asyncio.run(gateway_level(f"http://{gateway.address}", args.requests, args.warmup))
         finally:
             mesh.stop()

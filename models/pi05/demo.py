@@ -8,6 +8,7 @@ import string
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from mstar.models.pi05.config import Pi05Config, tiny_config
 from mstar.models.pi05.stats import write_lerobot_stats
@@ -36,11 +37,9 @@ def write_tokenizer(directory: Path) -> None:
 
 
 def write_demo_checkpoint(directory: str | Path, cfg: Pi05Config | None = None, seed: int = 0,
-                          stats: bool = True, dtype=None) -> Path:
-    """``dtype``: the tensors' (default float32; the full-size benchmark writes bfloat16)."""
-    import torch
-
-    directory = write_checkpoint(directory, cfg or tiny_config(), seed=seed, dtype=dtype or torch.float32)
+                          stats: bool = True, dtype: torch.dtype = torch.float32) -> Path:
+    """``dtype``: the tensors' (the full-size benchmark writes bfloat16)."""
+    directory = write_checkpoint(directory, cfg or tiny_config(), seed=seed, dtype=dtype)
     write_tokenizer(directory)
     if stats:
         rng = np.random.default_rng(seed)

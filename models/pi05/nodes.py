@@ -89,10 +89,8 @@ class VisionNode(NodeSubmodule):
         self.device, self.dtype, self.cfg = ctx.device, node_dtype(ctx), cfg
         self.tower = load_module(VisionTower, cfg, weights, ctx.device, self.dtype)
         self.graphs = vision_graphs(self.tower, ctx.device, compiled=use_compile(ctx))
-        if ctx.device.startswith("cuda"):  # every bucket compiled and captured before serving
-            s = cfg.vision.image_size
-            for n in self.graphs.buckets:
-                self.graphs.run({"images": torch.zeros(n, 3, s, s, dtype=torch.uint8, device=ctx.device)})
+        s = cfg.vision.image_size  # every bucket compiled and captured before serving
+        self.graphs.warm({"images": torch.zeros(3, s, s, dtype=torch.uint8, device=ctx.device)})
 
     @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
@@ -110,14 +108,11 @@ class PrefixNode(NodeSubmodule):
         dtype = node_dtype(ctx)
         self.lm = load_module(PrefixLM, cfg, weights, ctx.device, dtype)
         self.graphs = prefix_graphs(self.lm, ctx.device, compiled=use_compile(ctx))
-        if ctx.device.startswith("cuda"):  # every bucket compiled and captured before serving
-            cams, n, dev = len(cfg.cameras), cfg.max_token_len, ctx.device
-            for b in self.graphs.buckets:
-                self.graphs.run({"image_tokens": torch.zeros(b, cams * cfg.vision.tokens, cfg.prefix.width, dtype=dtype,
-                                                             device=dev),
-                                 "image_mask": torch.ones(b, cams, dtype=torch.bool, device=dev),
-                                 "tokens": torch.zeros(b, n, dtype=torch.long, device=dev),
-                                 "token_mask": torch.ones(b, n, dtype=torch.bool, device=dev)})
+        cams, n, dev = len(cfg.cameras), cfg.max_token_len, ctx.device  # every bucket made before serving
+        self.graphs.warm({"image_tokens": torch.zeros(cams * cfg.vision.tokens, cfg.prefix.width, dtype=dtype, device=dev),
+                          "image_mask": torch.ones(cams, dtype=torch.bool, device=dev),
+                          "tokens": torch.zeros(n, dtype=torch.long, device=dev),
+                          "token_mask": torch.ones(n, dtype=torch.bool, device=dev)})
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         out = self.graphs.run({n: stack(calls, n, self.device) for n in ("image_tokens", "image_mask", "tokens", "token_mask")})

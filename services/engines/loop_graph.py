@@ -132,6 +132,13 @@ class LoopGraphs:
             return None
         return next((b for b in self.buckets if b >= rows), None)
 
+    def warm(self, example: Mapping[str, torch.Tensor]) -> None:
+        """On CUDA, run ``example`` (one row's inputs, no batch dim) once at every bucket: each
+        bucket's graph (and whatever the body compiles) made before any request needs it. Elsewhere
+        nothing (no graphs to make)."""
+        for rows in self.buckets if self.device.type == "cuda" else ():
+            self.run({k: v.unsqueeze(0).expand(rows, *v.shape) for k, v in example.items()})
+
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The body's outputs of the last iteration, B rows each (B = the inputs' dim 0)."""
         rows = self._check_inputs(inputs)

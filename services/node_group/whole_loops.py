@@ -49,10 +49,9 @@ class WholeLoops:
                 carried = tuple(sorted(plan.nodes[node].carried_slots))
                 loops = self.loops[(walk, node)] = LoopGraphs(sub.step, lp.max_iters, carried, sub.device,
                                                               sub.graph_buckets, name=f"{walk}/{node}")
-                example = sub.example_inputs() if str(sub.device).startswith("cuda") else None
-                for rows in sub.graph_buckets if example is not None else ():
-                    # every bucket compiled and captured before serving: no request pays for a first use
-                    loops.run({k: v.unsqueeze(0).expand(rows, *v.shape) for k, v in example.items()})
+                example = sub.example_inputs()
+                if example is not None:  # every bucket made before serving: no request pays for a first use
+                    loops.warm(example)
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.loops

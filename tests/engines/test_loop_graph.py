@@ -97,6 +97,18 @@ def test_no_buckets_or_cpu_count_eager_runs():
         assert loop.bucket(1) is None
 
 
+def test_warm_runs_every_bucket_on_cuda_and_nothing_elsewhere(monkeypatch):
+    loops = LoopGraphs(lambda s, i: {"x": s["x"] + 1}, 2, ("x",), "cpu", buckets=(4, 1, 2))
+    runs = []
+    monkeypatch.setattr(LoopGraphs, "run", lambda self, inputs: runs.append({k: v.shape for k, v in inputs.items()}))
+    example = {"x": torch.zeros(3), "c": torch.ones(2, 5)}
+    loops.warm(example)
+    assert runs == []  # a CPU loop has no graphs to make
+    loops.device = torch.device("cuda")  # as a CUDA loop's (run is the recorder: nothing touches a GPU)
+    loops.warm(example)
+    assert runs == [{"x": (b, 3), "c": (b, 2, 5)} for b in (1, 2, 4)]
+
+
 def test_input_errors_name_the_fields():
     loop = LoopGraphs(flow_body(make_weights(16, 32)), STEPS, ("x",), "cpu", name="denoise")
     inp = make_inputs(3)

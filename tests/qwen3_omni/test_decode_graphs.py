@@ -176,21 +176,27 @@ def test_span_bucket_changes_keep_the_tokens(parts):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def failing_captures(monkeypatch, bucket: int) -> list[tuple[int, ...]]:
+    """LoopGraphs.run raising CaptureFailed whenever it has buckets (as a failed CUDA capture does),
+    eager otherwise; returns the buckets of every run, appended as they come."""
+    eager, tried = LoopGraphs.run, []
+
+    def failing(self, inputs):
+        tried.append(self.buckets)
+        if self.buckets:
+            raise CaptureFailed(f"loop '{self.name}': capturing bucket {bucket} failed: out of memory")
+        return eager(self, inputs)
+
+    monkeypatch.setattr(LoopGraphs, "run", failing)
+    return tried
+
+
 def test_a_failed_capture_turns_graphs_off_and_reruns_eagerly(parts, monkeypatch, caplog):
     """As on CUDA when a capture raises: logged, that engine's decode runs eagerly from then on."""
     want, _ = decode_all(ThinkerEngine(parts.thinker, parts.cfg.accept_hidden_layer, 4, 128), parts, 6)
     engine = ThinkerEngine(parts.thinker, parts.cfg.accept_hidden_layer, 4, 128)
     engine.decode.graphs = True  # as a CUDA engine's; its LoopGraphs get the batch buckets
-    eager = LoopGraphs.run
-    tried = []
-
-    def failing(self, inputs):
-        tried.append(self.buckets)
-        if self.buckets:
-            raise CaptureFailed(f"loop '{self.name}': capturing bucket 4 failed: out of memory")
-        return eager(self, inputs)
-
-    monkeypatch.setattr(LoopGraphs, "run", failing)
+    tried = failing_captures(monkeypatch, 4)
     got, _ = decode_all(engine, parts, 6)
     assert got == want
     assert tried[0] == (1, 2, 4) and all(b == () for b in tried[1:]) and len(tried) == 6
@@ -247,15 +253,7 @@ def test_a_failed_predictor_capture_turns_its_graphs_off_and_reruns_eagerly(part
     with torch.inference_mode():
         want = PredictorLoop(cp, PREDICTOR_SAMPLING, torch.device("cpu"), False).run(hidden, e0, greedy, [None, None])
     loop = PredictorLoop(cp, PREDICTOR_SAMPLING, torch.device("cpu"), True)  # buckets as a CUDA loop's
-    eager, tried = LoopGraphs.run, []
-
-    def failing(self, inputs):
-        tried.append(self.buckets)
-        if self.buckets:
-            raise CaptureFailed(f"loop '{self.name}': capturing bucket 2 failed: out of memory")
-        return eager(self, inputs)
-
-    monkeypatch.setattr(LoopGraphs, "run", failing)
+    tried = failing_captures(monkeypatch, 2)
     with torch.inference_mode():
         got = loop.run(hidden, e0, greedy, [None, None])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
