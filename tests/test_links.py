@@ -33,7 +33,11 @@ def frame(kind, rid):
     return pb.Frame(kind=kind, request_id=rid)
 
 
-def test_deferred_frames_ride_along_keep_order_and_are_not_kept_back_for_long():
+def test_deferred_frames_ride_along_keep_order_and_are_not_kept_back_for_long(monkeypatch):
+    # 200 ms, not 5: "sent within DEFER_S" below sleeps DEFER_S / 5, and a loaded machine that stalls
+    # the loop past the deadline would run the flush before the sleeping test resumes
+    monkeypatch.setattr(links_mod, "DEFER_S", 0.2)
+
     async def main():
         server = grpc.aio.server()
         recorder = Recorder()
