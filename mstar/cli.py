@@ -52,6 +52,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
     p.add_argument("--request-timeout", "--timeout", dest="request_timeout", type=float, default=300.0,
                    help="default per-request timeout in seconds (default 300)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="how long each service may take to report healthy: loading its checkpoint, compiling and "
+                        "capturing CUDA graphs (default 900; the launcher says every 30 s what it waits for)")
     p.add_argument("--envoy", action="store_true", help="also run an Envoy front proxy fed by the xDS control plane")
     p.add_argument("--envoy-port", type=int, default=10000, help="Envoy's port for REST and gRPC (0: any free port)")
     p.add_argument("--enable-nvtx", action="store_true",
@@ -136,7 +139,7 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
                   f"not speech", file=sys.stderr, flush=True)
         opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
-                             envoy=args.envoy, envoy_port=args.envoy_port,
+                             startup_timeout_s=args.startup_timeout, envoy=args.envoy, envoy_port=args.envoy_port,
                              download=args.download or settings().download, **checked)
         mesh = Mesh(config, opts)
         print(placement_line(config.node_groups, gpus, args.gpus), file=sys.stderr, flush=True)

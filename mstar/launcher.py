@@ -20,14 +20,16 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mstar import auth
+from mstar import auth, lifetime
 from mstar import tls as mtls
 from mstar.config import Placement, PlacementConfig
-from mstar.lifetime import die_with_parent
 from mstar.models import hub
 from mstar.models.registry import create_model
 from mstar.ports import PortInUse, free_port, taken_ports
 from mstar.shm_names import PrefixLock
+
+#: how often a start still waiting for a service says so on stderr (seconds)
+WAIT_NOTE_S = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -46,7 +48,7 @@ class LaunchOptions:
     log_level: str = "INFO"
     max_inflight: int = 256
     request_timeout_s: float = 300.0
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: float = 900.0  # per service: checkpoint load, compile and CUDA-graph capture included
     envoy: bool = False  # also run the xDS control plane and an Envoy front proxy
     envoy_port: int = 10000  # Envoy's one port for REST and gRPC; 0 picks a free one
     download: bool = False  # fetch checkpoints missing from the local caches (mstar.models.hub)
@@ -62,6 +64,8 @@ class LaunchOptions:
     per_key_max_inflight: int = 0  # in-flight requests per API key (0: no limit)
 
     def __post_init__(self):
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"--startup-timeout must be a positive number of seconds, got {self.startup_timeout_s:g}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"--request-timeout/--timeout must be a positive number of seconds, got "
                              f"{self.request_timeout_s:g}")
@@ -219,16 +223,15 @@ class Mesh:
         return {"MSTAR_SHM_PREFIX": self.shm_prefix, **({"MSTAR_NVTX": "1"} if self.opts.nvtx else {})}
 
     def start(self) -> None:
-        env = {**os.environ, **self.environment()}
-        preexec = die_with_parent()  # a SIGKILLed launcher takes its services with it (mstar/lifetime.py)
+        # a SIGKILLed launcher takes its services with it: each one's lifetime.adopt() (mstar/lifetime.py)
+        env = {**os.environ, **self.environment(), **lifetime.child_env()}
         self.check_ports()
         self._prefix_lock.acquire()
         try:
             for kind in ("node_group", "conductor", "gateway", "xds", "envoy"):
                 batch = [s for s in self.services if s.kind == kind]
                 for s in batch:
-                    s.proc = subprocess.Popen(s.argv, env={**env, **(s.env or {})}, stdin=subprocess.DEVNULL,
-                                              preexec_fn=preexec)
+                    s.proc = subprocess.Popen(s.argv, env={**env, **(s.env or {})}, stdin=subprocess.DEVNULL)
                 for s in batch:
                     self._wait_healthy(s)
         except BaseException:
@@ -236,13 +239,21 @@ class Mesh:
             raise
 
     def _wait_healthy(self, s: Service) -> None:
-        deadline = time.monotonic() + self.opts.startup_timeout_s
+        """Until ``s`` reports healthy; every WAIT_NOTE_S a line on stderr says which service the
+        start is waiting for (a checkpoint loading, CUDA graphs being captured)."""
+        start = time.monotonic()
+        deadline, note = start + self.opts.startup_timeout_s, start + WAIT_NOTE_S
         while time.monotonic() < deadline:
             dead = self.dead()
             if dead is not None:
                 raise LaunchError(f"service '{dead.name}' exited during startup with code {dead.proc.returncode}")
             if self._healthy(s):
                 return
+            if time.monotonic() >= note:
+                print(f"mstar: waiting for {s.kind} '{s.name}' ({s.address}) to report healthy: "
+                      f"{time.monotonic() - start:.0f} s of --startup-timeout {self.opts.startup_timeout_s:g} s",
+                      file=sys.stderr, flush=True)
+                note += WAIT_NOTE_S
             time.sleep(0.1)
         raise LaunchError(f"service '{s.name}' did not become healthy within {self.opts.startup_timeout_s:g} s")
 
@@ -329,12 +340,32 @@ class Mesh:
         return urls
 
 
+class _StopDuringStart(BaseException):
+    """SIGINT/SIGTERM while the mesh was starting."""
+
+
 def run_forever(mesh: Mesh) -> int:
-    """Serve until SIGINT/SIGTERM (exit 0) or until a service dies (exit 1, naming it)."""
+    """Serve until SIGINT/SIGTERM (exit 0) or until a service dies (exit 1, naming it). A signal
+    during start stops what has started at once (exit 0), without waiting for the rest to load."""
     stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    mesh.start()
+
+    def record(*_):
+        stopping.append(1)
+
+    def abort_start(*_):
+        signal.signal(signal.SIGTERM, record)  # a second signal while stopping is only recorded
+        signal.signal(signal.SIGINT, record)
+        raise _StopDuringStart
+
+    signal.signal(signal.SIGTERM, abort_start)
+    signal.signal(signal.SIGINT, abort_start)
+    try:
+        mesh.start()  # its own failure handler stops every service it started
+    except _StopDuringStart:
+        print("mstar: stopped during startup", file=sys.stderr, flush=True)
+        return 0
+    signal.signal(signal.SIGTERM, record)
+    signal.signal(signal.SIGINT, record)
     print(mesh.describe(), flush=True)
     while not stopping:
         dead = mesh.dead()

@@ -1,9 +1,17 @@
 """Shared test helpers (importable as `helpers`: tests/ is on sys.path)."""
 
 import asyncio
+import contextlib
 import json
+import os
+import queue
 import signal
 import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
 
 import grpc
 import pytest
@@ -79,6 +87,67 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+class LauncherProcess:
+    """``python -m mstar.cli ARGS`` as a user runs it. Its stdout is read line by line on a
+    thread and its stderr (every service's too: they inherit it) goes to a temporary file, so a
+    full pipe never blocks the mesh however long it runs and however much it logs."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self._err = tempfile.NamedTemporaryFile("w", prefix="mstar-launcher-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self._err.close()
+        weakref.finalize(self, _remove, self._err.name)  # at collection or at exit, whichever comes first
+        self.lines: queue.Queue[str | None] = queue.Queue()  # stdout; None once it closed
+        self.stdout_lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.stdout_lines.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def stdout(self) -> str:
+        """Everything it printed on stdout (after it exited: the reader is given 10 s to finish)."""
+        self._reader.join(10)
+        return "".join(self.stdout_lines)
+
+    def stderr(self, tail: int = 0) -> str:
+        text = open(self._err.name, errors="replace").read()
+        return text[-tail:] if tail else text
+
+    def wait_lines(self, handle, timeout: float, what: str = "its ready lines"):
+        """Feed stdout lines to ``handle`` until it returns something other than None (returned);
+        AssertionError with the stderr tail if the launcher exits or ``timeout`` passes first
+        (the launcher is then stopped)."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"launcher exited {self.proc.wait(10)} before printing {what}: "
+                                     f"{self.stderr(3000)}")
+            if (out := handle(line)) is not None:
+                return out
+        code = self.stop()
+        raise AssertionError(f"launcher did not print {what} within {timeout:g} s (stopped: exit {code}): "
+                             f"{self.stderr(3000)}")
+
+    def stop(self, timeout: float = 30) -> int:
+        return stop_process(self.proc, timeout=timeout)
+
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def run_ranks(target, args: tuple, timeout_s: float, size: int = 2) -> None:

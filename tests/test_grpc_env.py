@@ -23,10 +23,10 @@ def test_apply_sets_defaults_but_an_operator_value_wins(monkeypatch):
 def test_every_service_entry_point_applies_them_before_any_other_import():
     for main in ("conductor/__main__.py", "services/node_group/__main__.py", "gateway/__main__.py"):
         body = ast.parse((ROOT / main).read_text()).body
-        first_import, first_call = body[0], body[1]
+        first_import, calls = body[0], [ast.unparse(x) for x in body[1:3]]
         assert isinstance(first_import, ast.ImportFrom) and first_import.module == "mstar", main
-        assert [a.name for a in first_import.names] == ["grpc_env"], main
-        assert ast.unparse(first_call) == "grpc_env.apply()", main
+        assert [a.name for a in first_import.names] == ["grpc_env", "lifetime"], main
+        assert calls == ["lifetime.adopt()", "grpc_env.apply()"], main  # adopt: die with the launcher
 
 
 def test_grpc_reads_them_at_import():

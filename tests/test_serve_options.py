@@ -36,6 +36,23 @@ def test_timeout_is_a_spelling_of_request_timeout():
         LaunchOptions(TOY_CONFIGS / "default.yaml", request_timeout_s=-1)
 
 
+def test_startup_timeout_is_an_option_and_a_slow_service_is_named_while_waited_for(toy_config, monkeypatch, capsys):
+    """``--startup-timeout`` reaches the launch; a service not yet healthy is named on stderr
+    every WAIT_NOTE_S, and one never healthy fails the start naming it."""
+    import mstar.launcher as launcher
+
+    assert parse().startup_timeout == 900.0 and parse("--startup-timeout", "30").startup_timeout == 30.0
+    with pytest.raises(ValueError, match="--startup-timeout must be a positive number of seconds, got 0"):
+        LaunchOptions(TOY_CONFIGS / "default.yaml", startup_timeout_s=0)
+    monkeypatch.setattr(launcher, "WAIT_NOTE_S", 0.2)
+    m = mesh(toy_config, startup_timeout_s=0.7)
+    slow = launcher.Service("slow", "node_group", "127.0.0.1:9", [], probe=lambda: False)
+    with pytest.raises(LaunchError, match="service 'slow' did not become healthy within 0.7 s"):
+        m._wait_healthy(slow)
+    notes = [x for x in capsys.readouterr().err.splitlines() if "waiting for node_group 'slow' (127.0.0.1:9)" in x]
+    assert 2 <= len(notes) <= 4 and notes[0].endswith("0 s of --startup-timeout 0.7 s"), notes
+
+
 def test_the_options_reach_the_services(toy_config, tmp_path):
     m = mesh(toy_config, nvtx=True, shm_prefix="mstar-opt-", upload_dir=str(tmp_path), upload_spill_mb=0.5,
              upload_dir_max_mb=8, transfer_address="127.0.0.2", request_timeout_s=30)
@@ -53,7 +70,8 @@ def test_the_options_reach_the_services(toy_config, tmp_path):
 
 def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch):
     """start() hands each process the launcher's environment plus the mesh's (MSTAR_NVTX, the
-    shm prefix) plus its own (its Mooncake ports)."""
+    shm prefix, the launcher's pid for lifetime.adopt) plus its own (its Mooncake ports), and
+    starts it without a preexec_fn (a real fork() in a process using gRPC can deadlock)."""
     import mstar.launcher as launcher
 
     started = {}
@@ -61,7 +79,7 @@ def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch
     class FakeProc:
         returncode = 0
 
-        def __init__(self, argv, env, stdin, preexec_fn=None):
+        def __init__(self, argv, env, stdin):
             self.argv = argv
             started[argv[argv.index("--group") + 1] if "--group" in argv else argv[2]] = env
 
@@ -77,7 +95,7 @@ def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch
     assert set(started) == {"encoder", "decoder", "audio", "mstar.conductor", "mstar.gateway"}
     for name, env in started.items():
         assert env["MSTAR_NVTX"] == "1" and env["MSTAR_SHM_PREFIX"] == m.shm_prefix, name
-        assert env["MSTAR_TEST_INHERITED"] == "yes", name
+        assert env["MSTAR_TEST_INHERITED"] == "yes" and env["MSTAR_PARENT_PID"] == str(os.getpid()), name
     ports = [(started[n]["MC_MIN_RPC_PORT"], started[n]["MC_MAX_RPC_PORT"])
              for n in ("encoder", "decoder", "audio", "mstar.conductor")]
     assert ports == [("41000", "41001"), ("41002", "41003"), ("41004", "41005"), ("41006", "41007")]

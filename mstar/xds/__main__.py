@@ -1,3 +1,7 @@
-from mstar.xds.server import main
+from mstar import lifetime
+
+lifetime.adopt()  # die with the launcher
+
+from mstar.xds.server import main  # noqa: E402
 
 main()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from mstar import lifetime
+
 
 class EnvoyNotFound(FileNotFoundError):
     pass
@@ -98,4 +100,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    lifetime.adopt()  # the death signal outlives the exec: Envoy dies with the launcher
     main()

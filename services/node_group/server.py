@@ -14,7 +14,7 @@ import sys
 
 import grpc
 
-from mstar import env, metrics, nvtx
+from mstar import env, lifetime, metrics, nvtx
 from mstar import tls as mtls
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
@@ -164,7 +164,8 @@ class Followers:
                     "--conductor", args.conductor, "--device", devices[rank], "--tp-rank", str(rank),
                     "--tp-init", self.spec.init_method, "--log-level", args.log_level,
                     *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
-            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                               env={**os.environ, **lifetime.child_env()}))
         log.info("node group '%s': tensor-parallel ranks 1..%d started on %s", args.group, size - 1, devices[1:])
 
     async def watch(self, on_exit) -> None:
@@ -193,15 +194,6 @@ async def watch_engines(runtime: NodeGroupRuntime, on_exit, interval_s: float = 
                 on_exit(f"node '{node}': {why}")
                 return
         await asyncio.sleep(interval_s)
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def follow(args: argparse.Namespace) -> None:

@@ -4,11 +4,8 @@ import glob
 import json
 import os
 import re
-import select
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,33 +17,25 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
-from helpers import rot13, stop_process
+from helpers import LauncherProcess, rot13
 
 pytestmark = pytest.mark.e2e
 READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 
 
-class Served:
+class Served(LauncherProcess):
     def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        super().__init__(*args, env=env)
         self.url = self.grpc = None
 
     def wait_ready(self, timeout=90.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if r:
-                line = self.proc.stdout.readline()
-                m = READY.search(line)
-                if m:
-                    self.url, self.grpc = m.group(2), m.group(3)
-                    return self
-            if self.proc.poll() is not None:
-                raise AssertionError(f"launcher exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
-        self.stop()
-        raise AssertionError(f"launcher did not print its ready line in {timeout:g} s: {self.proc.stderr.read()[-3000:]}")
+        def handle(line: str):
+            if m := READY.search(line):
+                self.url, self.grpc = m.group(2), m.group(3)
+                return self
+            return None
+
+        return self.wait_lines(handle, timeout, "its ready line")
 
     def children(self) -> dict[str, int]:
         """Child service pids by service name."""
@@ -58,10 +47,6 @@ class Served:
             name = cmd[cmd.index("--group") + 1] if "--group" in cmd else cmd[2].rsplit(".", 1)[-1]
             out[name] = int(pid)
         return out
-
-    def stop(self) -> int:
-        return stop_process(self.proc, timeout=30)
-
 
 def http(method, url, body=None, timeout=20):
     data = json.dumps(body).encode() if body is not None else None
@@ -78,7 +63,7 @@ def served():
     s = Served("serve", "toy", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING").wait_ready()
     yield s
     code = s.stop()
-    err = s.proc.stderr.read()
+    err = s.stderr()
     assert code == 0, err[-3000:]
     assert glob.glob(f"/dev/shm/mstar-{s.proc.pid}-*") == []
     # a clean stop says so quietly: services stopping one after another are no fault
@@ -138,7 +123,7 @@ def test_killed_node_group_fails_request_and_launcher_names_it():
             assert time.monotonic() - t0 < 5
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "decoder" in e.value.details()
         code = s.proc.wait(30)
-        err = s.proc.stderr.read()
+        err = s.stderr()
         assert code != 0 and "service 'decoder'" in err
         for name, pid in pids.items():
             assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", name
@@ -159,8 +144,28 @@ def test_service_that_cannot_start_is_named():
             break
         time.sleep(0.02)
     code = s.proc.wait(90)
-    err = s.proc.stderr.read()
+    err = s.stderr()
     assert code != 0 and f"service '{name}' exited during startup with code -9" in err, err[-2000:]
+
+
+def test_a_stop_while_starting_is_honoured_at_once():
+    """SIGTERM while services still load stops what started, without waiting for the rest to
+    become healthy (a slow checkpoint would otherwise hold the stop for --startup-timeout)."""
+    s = Served("serve", "toy", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and s.proc.poll() is None and not s.children():
+        time.sleep(0.02)
+    started = s.children()
+    assert started and s.proc.poll() is None, s.stderr(2000)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    code = s.proc.wait(30)
+    err = s.stderr()
+    assert code == 0 and "mstar: stopped during startup" in err and "Traceback" not in err, err[-2000:]
+    assert time.monotonic() - t0 < 15, "the stop waited for the start"
+    assert "M* ready" not in s.stdout()
+    for pid in started.values():
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
 @pytest.mark.parametrize("flag", ["--grpc-port", "--port"])
@@ -175,7 +180,7 @@ def test_a_taken_port_is_refused_before_anything_starts(flag):
         ports = {"--port": "0", "--grpc-port": "0", flag: str(port)}
         s = Served("serve", "toy", *[x for kv in ports.items() for x in kv], "--log-level", "WARNING")
         code = s.proc.wait(60)
-        out, err = s.proc.stdout.read(), s.proc.stderr.read()
+        out, err = s.stdout(), s.stderr()
     assert code == 2, err
     what = "conductor (--grpc-port)" if flag == "--grpc-port" else "gateway (--port)"
     assert f"{what} (127.0.0.1:{port}): Address already in use" in err and "Traceback" not in err, err
@@ -189,7 +194,7 @@ def test_gpus_without_cuda_is_a_clear_error():
         pytest.skip("this host has CUDA: --gpus 0 is valid here")
     s = Served("serve", "toy", "--port", "0", "--grpc-port", "0", "--gpus", "0")
     assert s.proc.wait(60) == 2
-    err = s.proc.stderr.read()
+    err = s.stderr()
     assert "--gpus 0: no CUDA here" in err and "--gpus ''" in err and "Traceback" not in err, err
 
 
@@ -198,4 +203,4 @@ def test_bad_config_is_refused_with_a_clear_message(tmp_path):
     cfg.write_text("model: toy\nnode_groups:\n  - node_names: [rot]\n")
     s = Served("serve", "toy", "--config", str(cfg))
     assert s.proc.wait(60) == 2
-    assert "is not placed" in s.proc.stderr.read()
+    assert "is not placed" in s.stderr()

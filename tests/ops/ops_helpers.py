@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import stop_process
+from helpers import LauncherProcess
 
 READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 METRICS = re.compile(r"M\* metrics: (\{.*\})")
@@ -23,31 +18,17 @@ SECURITY = re.compile(r"M\* security: internal gRPC ([\d.:]+) \((mutual TLS, (\S
 ENVOY = re.compile(r"M\* envoy: (http://[\d.:]+) \(REST and gRPC; admin (http://[\d.:]+); xDS ([\d.:]+); targets (\S+)\)")
 
 
-class Launched:
+class Launched(LauncherProcess):
     """``python -m mstar.cli <args>`` until its ready lines are printed."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        super().__init__(*args)
         self.url = self.grpc = self.envoy = self.envoy_admin = self.targets = None
         self.internal = self.tls_dir = None  # the conductor's internal (WalkEvents) address; the mesh's TLS folder
         self.metrics: dict[str, str] = {}
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
 
     def wait_ready(self, timeout: float = 90.0, envoy: bool = False) -> Launched:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"launcher exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
-            try:
-                line = self._lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
+        def handle(line: str):
             if m := READY.search(line):
                 self.url, self.grpc = m.group(2), m.group(3)
             elif m := SECURITY.search(line):
@@ -59,11 +40,9 @@ class Launched:
             elif m := ENVOY.search(line):
                 self.envoy, self.envoy_admin, _, self.targets = m.groups()
                 return self
-        self.stop()
-        raise AssertionError("launcher did not print its ready lines in time")
+            return None
 
-    def stop(self) -> int:
-        return stop_process(self.proc, timeout=30)
+        return self.wait_lines(handle, timeout)
 
 
 def http(method: str, url: str, body=None, timeout: float = 20.0, headers: dict | None = None) -> tuple[int, bytes]:

@@ -42,7 +42,7 @@ def mesh():
     m = Launched("serve", "toy", "--port", "0", "--grpc-port", "0", "--envoy", "--envoy-port", "0",
                  "--log-level", "WARNING").wait_ready(envoy=True)
     yield m
-    assert m.stop() == 0, m.proc.stderr.read()[-3000:]
+    assert m.stop() == 0, m.stderr(3000)
     assert not os.path.exists(m.targets), "the launcher leaves no targets directory behind"
 
 

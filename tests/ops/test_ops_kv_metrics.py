@@ -41,4 +41,4 @@ def test_kv_series_move_under_load(tmp_path):
             time.sleep(0.1)
         assert kv(url)[:2] == (used0, free0)
     finally:
-        assert m.stop() == 0, m.proc.stderr.read()[-3000:]
+        assert m.stop() == 0, m.stderr(3000)

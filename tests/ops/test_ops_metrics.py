@@ -23,7 +23,7 @@ MODALITY = {cpb.MODALITY_TEXT: "text", cpb.MODALITY_AUDIO: "audio", cpb.MODALITY
 def mesh():
     m = Launched("serve", "toy", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING").wait_ready()
     yield m
-    assert m.stop() == 0, m.proc.stderr.read()[-3000:]
+    assert m.stop() == 0, m.stderr(3000)
 
 
 def scrape_all(mesh) -> dict[str, dict]:

@@ -51,7 +51,7 @@ def mesh(tmp_path_factory):
     m = Launched(*args).wait_ready(envoy=ENVOY_MISSING is None)
     assert m.internal and m.tls_dir, "the launcher names the internal port and its TLS folder"
     yield m
-    assert m.stop() == 0, m.proc.stderr.read()[-3000:]
+    assert m.stop() == 0, m.stderr(3000)
     assert not os.path.exists(m.tls_dir), "the throwaway CA is removed with the mesh"
 
 
