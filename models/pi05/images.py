@@ -8,6 +8,11 @@ import io
 import torch
 import torch.nn.functional as F
 
+#: the most pixels a camera image may declare (a 4K frame has 8.3M). Checked from the header,
+#: before decoding: a 2 MB JPEG of 12000 x 12000 would otherwise cost ~4 GB and seconds of the
+#: conductor's CPU per camera (its RGB bytes, then float32 for the resize).
+MAX_IMAGE_PIXELS = 4096 * 4096
+
 
 def resize_with_pad(image: torch.Tensor, size: int) -> torch.Tensor:
     """uint8 [3, h, w] -> uint8 [3, size, size]: bilinear resize keeping the aspect ratio, then zero
@@ -30,9 +35,16 @@ def decode_image(data: bytes, size: int) -> torch.Tensor:
     except ImportError as e:  # pragma: no cover - an install without the pi05 extra
         raise ValueError("decoding images needs Pillow (pip install 'mstar[pi05]')") from e
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            rgb = img.convert("RGB")
+        img = Image.open(io.BytesIO(data))  # reads the header only
     except Exception as e:  # Pillow raises several kinds (UnidentifiedImageError, OSError, ...)
         raise ValueError(f"not a decodable image ({type(e).__name__})") from None
+    with img:
+        w, h = img.size
+        if w * h > MAX_IMAGE_PIXELS:
+            raise ValueError(f"an image of {w}x{h} pixels; at most {MAX_IMAGE_PIXELS} pixels (4096x4096)")
+        try:
+            rgb = img.convert("RGB")
+        except Exception as e:
+            raise ValueError(f"not a decodable image ({type(e).__name__})") from None
     pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3)
     return resize_with_pad(pixels.permute(2, 0, 1).contiguous(), size)

@@ -26,6 +26,9 @@ SAMPLE_RATE = 16_000
 VIDEO_FPS = 2.0  # frames sampled per second of video (Qwen's default)
 MAX_VIDEO_FRAMES = 256
 VIDEO_FRAME_PIXELS = 256 * 32 * 32  # per frame, after resizing (before temporal pairing)
+#: the most pixels an input image may declare, checked from its header before it is decoded (its RGB
+#: bytes and the resize cost memory and CPU in proportion); BAGEL's bound
+MAX_INPUT_PIXELS = 64 * 1024 * 1024
 
 
 @dataclass
@@ -160,8 +163,9 @@ class MediaDecoder:
 
         try:
             img = Image.open(io.BytesIO(data))
-            if img.width * img.height > 64 * self.max_pixels:
-                raise InvalidArgument(where, f"image of {img.width}x{img.height} pixels is too large")
+            if img.width * img.height > MAX_INPUT_PIXELS:
+                raise InvalidArgument(where, f"image of {img.width}x{img.height} pixels; at most {MAX_INPUT_PIXELS} "
+                                             f"pixels (8192x8192)")
             img = img.convert("RGB")
         except (UnidentifiedImageError, OSError) as e:
             raise InvalidArgument(where, f"not a readable image ({e})") from None

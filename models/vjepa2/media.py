@@ -62,6 +62,9 @@ def _decode_av(f: InputFile, field: str, step: int, limits: Limits) -> np.ndarra
         with av.open(io.BytesIO(f.data), mode="r") as container:
             if not container.streams.video:
                 raise InvalidArgument(field, "has no video stream")
+            ctx = container.streams.video[0].codec_context  # the header's size: refused before any frame is decoded
+            if ctx.width * ctx.height > limits.max_pixels:
+                raise InvalidArgument(field, f"frames of {ctx.width}x{ctx.height} exceed {limits.max_pixels} pixels")
             for i, frame in enumerate(container.decode(video=0)):
                 if i >= limits.max_decoded:
                     raise InvalidArgument(field, f"video is longer than {limits.max_decoded} frames")

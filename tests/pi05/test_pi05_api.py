@@ -18,6 +18,7 @@ from google.protobuf import descriptor_pool, message_factory
 from google.rpc import error_details_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
+from test_pi05_invariants import too_many_pixels
 from test_pi05_mesh import CONFIGS, STATE, act, cameras, direct
 
 from mstar import metrics, wire
@@ -117,6 +118,7 @@ def test_bad_act_requests_name_the_actrequest_field(pi05_cache):
         (act_request(state=[float("nan")] * 8), "state"),
         (act_request(files=[cpb.InputFile(name="base_0_rgb", data=b"not an image")]), "images[0].data"),
         (act_request(files=[good[0], cpb.InputFile(name="left_wrist_0_rgb", data=png[:40])]), "images[1].data"),
+        (act_request(files=[cpb.InputFile(name="base_0_rgb", data=too_many_pixels())]), "images[0].data"),
         (act_request(files=[cpb.InputFile(name=n, data=png) for n in ("base_0_rgb", "left_wrist_0_rgb",
                                                                       "right_wrist_0_rgb", "top_rgb")]), "images"),
         (act_request(files=[cpb.InputFile(name="top_rgb", data=png)]), "images[0].name"),

@@ -155,6 +155,31 @@ def png(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def too_many_pixels() -> bytes:
+    """A small JPEG whose header declares one row more than MAX_IMAGE_PIXELS allows."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (4096, 4097)).save(buf, format="JPEG", quality=10)
+    return buf.getvalue()
+
+
+def test_an_image_with_too_many_pixels_is_refused_before_it_is_decoded(monkeypatch):
+    from PIL import Image
+
+    from mstar.models.pi05.images import MAX_IMAGE_PIXELS, decode_image
+
+    data = too_many_pixels()
+    assert len(data) < 200_000 and MAX_IMAGE_PIXELS == 4096 * 4096
+    monkeypatch.setattr(Image.Image, "convert", lambda *a, **k: pytest.fail("decoded before the size was checked"))
+    with pytest.raises(ValueError, match=r"an image of 4096x4097 pixels; at most 16777216 pixels"):
+        decode_image(data, 224)
+    monkeypatch.undo()
+    assert decode_image(png(np.full((40, 60, 3), 7, np.uint8)), 224).shape == (3, 224, 224)
+
+
 def test_fused_projections_keep_one_copy_and_the_checkpoint_names():
     """fuse(): one weight for q / k / v (and gate / up), the Linears' parameters views of it: state_dict
     keys and values unchanged, a later load_state_dict reaches the fused weight, the concatenated

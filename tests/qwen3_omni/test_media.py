@@ -1,5 +1,7 @@
 """Conductor-side media decoding: what the encoders receive."""
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -64,8 +66,15 @@ def test_mp3_decodes_to_the_tone_it_holds(media):
     ("long.wav", "audio/wav", wav_bytes(12.0, rate=8000), "audio of 12.0 s"),
     ("x.mp4", "video/mp4", b"not a video", "not a readable video"),
     ("x.bin", "", b"?", "content type"),
+    ("huge.jpg", "image/jpeg", None, "image of 8192x8193 pixels; at most 67108864 pixels"),  # refused from its header
 ])
 def test_bad_media_names_the_file(media, name, kind, data, why):
+    if data is None:
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.new("L", (8192, 8193)).save(buf, format="JPEG", quality=10)
+        data = buf.getvalue()
     with pytest.raises(InvalidArgument) as e:
         media.decode([InputFile("ok.png", "image/png", png_bytes()), InputFile(name, kind, data)])
     assert e.value.field == "files[1]" and why in e.value.description

@@ -188,3 +188,38 @@ def test_a_decode_failure_in_the_worker_is_invalid_argument(served):  # noqa: F8
             return e.value
     e = run(go(), timeout=60)
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("files[0]:")
+
+
+def test_a_frame_size_past_the_limit_is_refused_from_the_header(monkeypatch):
+    """An image or video whose header declares frames larger than ``Limits.max_pixels`` is refused
+    before any frame is decoded (a small file can declare a huge frame)."""
+    import io
+
+    import av
+    from PIL import Image
+
+    from mstar.models.base import InputFile, InvalidArgument
+    from mstar.models.vjepa2 import media
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30)).save(buf, format="PNG")
+    real_open = av.open
+
+    class Undecoded:
+        def __init__(self, container):
+            self.container, self.streams = container, container.streams
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.container.close()
+
+        def decode(self, *a, **k):
+            pytest.fail("a frame was decoded before its size was checked")
+
+    monkeypatch.setattr(av, "open", lambda *a, **k: Undecoded(real_open(*a, **k)))
+    with pytest.raises(InvalidArgument, match=r"frames of 40x30 exceed 1000 pixels") as e:
+        media.load_frames(InputFile("cam.png", "image/png", buf.getvalue()), "files[0]", 16, 16,
+                          limits=media.Limits(max_pixels=1000))
+    assert e.value.field == "files[0]"
