@@ -275,6 +275,10 @@ class Mesh:
             return False
 
     # -- watch / stop --------------------------------------------------------------------
+    def running(self) -> bool:
+        """Some service of this mesh is still running."""
+        return any(s.proc is not None and s.proc.poll() is None for s in self.services)
+
     def dead(self) -> Service | None:
         for s in self.services:
             if s.proc is not None and s.proc.poll() is not None:
@@ -361,11 +365,13 @@ def run_forever(mesh: Mesh) -> int:
     signal.signal(signal.SIGINT, abort_start)
     try:
         mesh.start()  # its own failure handler stops every service it started
+        signal.signal(signal.SIGTERM, record)
+        signal.signal(signal.SIGINT, record)
     except _StopDuringStart:
+        if mesh.running():  # the signal came just after start() returned
+            mesh.stop()
         print("mstar: stopped during startup", file=sys.stderr, flush=True)
         return 0
-    signal.signal(signal.SIGTERM, record)
-    signal.signal(signal.SIGINT, record)
     print(mesh.describe(), flush=True)
     while not stopping:
         dead = mesh.dead()

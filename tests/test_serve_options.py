@@ -143,3 +143,35 @@ def test_mooncake_port_needs_mooncake(monkeypatch):
     monkeypatch.setattr(mooncake, "available", lambda: False)
     with pytest.raises(ValueError, match="--mooncake-port: cannot import mooncake.engine"):
         cli._serve_settings(parse("--mooncake-port", "40000"))
+
+
+def test_a_stop_signal_during_start_stops_what_runs(monkeypatch, capsys):
+    """SIGTERM inside start() (here, once every service runs) ends run_forever with exit 0 and
+    the mesh stopped; the process's own handlers are restored afterwards."""
+    import signal
+    import time
+
+    import mstar.launcher as launcher
+
+    class StartingMesh:
+        stopped = False
+
+        def start(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
+            time.sleep(5)
+            raise AssertionError("the signal did not stop the start")
+
+        def running(self):
+            return True
+
+        def stop(self):
+            self.stopped = True
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        m = StartingMesh()
+        assert launcher.run_forever(m) == 0 and m.stopped
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert "mstar: stopped during startup" in capsys.readouterr().err
