@@ -190,11 +190,12 @@ class MediaDecoder:
         return self._ip[max_pixels]
 
     def _video(self, data: bytes, where: str) -> tuple[torch.Tensor, list[int]]:
-        frames = self._frames(data, where)
         v = self.cfg.vision
         ip = self._processor(min(self.max_pixels, VIDEO_FRAME_PIXELS))
         per = []
-        for img in frames:  # each frame as a still: patch rows [N, C, tp, p, p] with the frame tiled over tp
+        # each frame as a still, as it is decoded (one full-size frame in memory at a time): patch
+        # rows [N, C, tp, p, p] with the frame tiled over tp
+        for img in self._frames(data, where):
             out = ip(images=[img], return_tensors="pt")
             grid = [int(x) for x in out["image_grid_thw"][0].tolist()]
             per.append(out["pixel_values"].float().view(-1, v.in_channels, v.temporal_patch_size, v.patch_size,
@@ -206,31 +207,42 @@ class MediaDecoder:
         pixels = torch.cat([g.reshape(g.shape[0], -1) for g in groups])
         return pixels, [len(groups), grid[1], grid[2]]
 
-    def _frames(self, data: bytes, where: str) -> list:
+    def _frames(self, data: bytes, where: str):
+        """The video's frames at VIDEO_FPS as RGB images, one at a time. Frame sizes past
+        MAX_INPUT_PIXELS are refused from the stream's header, before any frame is decoded."""
         try:
             import av
         except ImportError:
             raise InvalidArgument(where, "video input needs PyAV on the conductor (pip install av)") from None
+        kept = 0
         try:
             with av.open(io.BytesIO(data)) as container:
                 stream = container.streams.video[0]
-                frames, next_t = [], 0.0
+                _check_frame(stream.codec_context.width, stream.codec_context.height, where)
+                next_t = 0.0
                 for frame in container.decode(stream):
-                    t = float(frame.time) if frame.time is not None else len(frames) / VIDEO_FPS
+                    _check_frame(frame.width, frame.height, where)  # a stream may change size midway
+                    t = float(frame.time) if frame.time is not None else kept / VIDEO_FPS
                     if t > self.max_video_s:
                         raise InvalidArgument(where, f"video longer than {self.max_video_s:g} s")
                     if t + 1e-6 >= next_t:
-                        frames.append(frame.to_image().convert("RGB"))
-                        next_t += 1.0 / VIDEO_FPS
-                        if len(frames) > MAX_VIDEO_FRAMES:
+                        kept += 1
+                        if kept > MAX_VIDEO_FRAMES:
                             raise InvalidArgument(where, f"more than {MAX_VIDEO_FRAMES} frames at {VIDEO_FPS:g} fps")
+                        next_t += 1.0 / VIDEO_FPS
+                        yield frame.to_image().convert("RGB")
         except InvalidArgument:  # (a ValueError: the limits above, not an unreadable file)
             raise
         except (av.error.FFmpegError, IndexError, ValueError) as e:
             raise InvalidArgument(where, f"not a readable video ({e})") from None
-        if not frames:
+        if not kept:
             raise InvalidArgument(where, "the video has no frames")
-        return frames
+
+
+def _check_frame(width: int, height: int, where: str) -> None:
+    if width * height > MAX_INPUT_PIXELS:
+        raise InvalidArgument(where, f"video frames of {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels "
+                                     f"(8192x8192)")
 
 
 def _is_mp3(f: InputFile) -> bool:
