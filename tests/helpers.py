@@ -118,7 +118,8 @@ class LauncherProcess:
         return "".join(self.stdout_lines)
 
     def stderr(self, tail: int = 0) -> str:
-        text = open(self._err.name, errors="replace").read()
+        with open(self._err.name, errors="replace") as f:
+            text = f.read()
         return text[-tail:] if tail else text
 
     def wait_lines(self, handle, timeout: float, what: str = "its ready lines"):
@@ -142,7 +143,6 @@ class LauncherProcess:
 
     def stop(self, timeout: float = 30) -> int:
         return stop_process(self.proc, timeout=timeout)
-
 
 
 def _remove(path: str) -> None:
