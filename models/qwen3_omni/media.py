@@ -29,6 +29,10 @@ VIDEO_FRAME_PIXELS = 256 * 32 * 32  # per frame, after resizing (before temporal
 #: the most pixels an input image may declare, checked from its header before it is decoded (its RGB
 #: bytes and the resize cost memory and CPU in proportion); BAGEL's bound
 MAX_INPUT_PIXELS = 64 * 1024 * 1024
+#: the decoding a video may cost, kept frames or not: frames, and pixels over all of them (two minutes
+#: of 1080p at 30 fps fit); a tiny file can declare a high frame rate of large, static frames
+MAX_DECODED_FRAMES = 4096
+MAX_DECODED_PIXELS = MAX_DECODED_FRAMES * 1920 * 1080
 
 
 @dataclass
@@ -214,7 +218,7 @@ class MediaDecoder:
             import av
         except ImportError:
             raise InvalidArgument(where, "video input needs PyAV on the conductor (pip install av)") from None
-        kept = 0
+        kept = decoded = pixels = 0
         try:
             with av.open(io.BytesIO(data)) as container:
                 stream = container.streams.video[0]
@@ -222,6 +226,11 @@ class MediaDecoder:
                 next_t = 0.0
                 for frame in container.decode(stream):
                     _check_frame(frame.width, frame.height, where)  # a stream may change size midway
+                    decoded, pixels = decoded + 1, pixels + frame.width * frame.height
+                    if decoded > MAX_DECODED_FRAMES or pixels > MAX_DECODED_PIXELS:
+                        raise InvalidArgument(where, f"the video decodes to more than {MAX_DECODED_FRAMES} frames or "
+                                                     f"{MAX_DECODED_PIXELS} pixels in all; send a shorter clip or a "
+                                                     "lower frame rate or size")
                     t = float(frame.time) if frame.time is not None else kept / VIDEO_FPS
                     if t > self.max_video_s:
                         raise InvalidArgument(where, f"video longer than {self.max_video_s:g} s")

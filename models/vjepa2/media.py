@@ -31,6 +31,7 @@ class Limits:
     max_frames: int = 64  # frames kept (after frame_step)
     max_pixels: int = 4096 * 4096  # per decoded frame
     max_decoded: int = 2048  # frames a video may be read through, kept or not
+    max_decoded_pixels: int = 2048 * 1920 * 1080  # over every frame read through, kept or not
 
 
 def _kind(f: InputFile) -> str:
@@ -65,11 +66,16 @@ def _decode_av(f: InputFile, field: str, step: int, limits: Limits) -> np.ndarra
             ctx = container.streams.video[0].codec_context  # the header's size: refused before any frame is decoded
             if ctx.width * ctx.height > limits.max_pixels:
                 raise InvalidArgument(field, f"frames of {ctx.width}x{ctx.height} exceed {limits.max_pixels} pixels")
+            pixels = 0
             for i, frame in enumerate(container.decode(video=0)):
                 if i >= limits.max_decoded:
                     raise InvalidArgument(field, f"video is longer than {limits.max_decoded} frames")
                 if frame.width * frame.height > limits.max_pixels:
                     raise InvalidArgument(field, f"frames of {frame.width}x{frame.height} exceed {limits.max_pixels} pixels")
+                pixels += frame.width * frame.height
+                if pixels > limits.max_decoded_pixels:
+                    raise InvalidArgument(field, f"the video decodes to more than {limits.max_decoded_pixels} pixels "
+                                                 "in all; send a shorter clip or smaller frames")
                 if i % step == 0:
                     frames.append(frame.to_ndarray(format="rgb24"))
                     if len(frames) > limits.max_frames:

@@ -112,3 +112,18 @@ def test_video_frames_past_the_pixel_limit_are_refused_before_decoding(media, mo
     assert e.value.field == "files[0]" and "video frames of 64x48 pixels; at most 3008 pixels" in e.value.description
     monkeypatch.setattr(media_module, "MAX_INPUT_PIXELS", 64 * 48)
     assert media.decode([InputFile("clip.mp4", "video/mp4", data)]).video_grids  # the same clip at the limit
+
+
+@pytest.mark.parametrize("limit,value", [("MAX_DECODED_FRAMES", 3), ("MAX_DECODED_PIXELS", 64 * 48 * 3)])
+def test_the_decoding_a_video_may_cost_is_bounded(media, monkeypatch, limit, value):
+    """Frames read through count, kept or not: a 4-frame clip past a 3-frame (or 3-frames-of-pixels)
+    budget is refused as it decodes; at 4 it passes."""
+    from mstar.models.qwen3_omni import media as media_module
+
+    data = mp4_bytes(frames=4, fps=4)
+    monkeypatch.setattr(media_module, limit, value)
+    with pytest.raises(InvalidArgument) as e:
+        media.decode([InputFile("clip.mp4", "video/mp4", data)])
+    assert e.value.field == "files[0]" and "the video decodes to more than" in e.value.description
+    monkeypatch.setattr(media_module, limit, value // 3 * 4)
+    assert media.decode([InputFile("clip.mp4", "video/mp4", data)]).video_grids

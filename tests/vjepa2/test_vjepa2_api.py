@@ -223,3 +223,19 @@ def test_a_frame_size_past_the_limit_is_refused_from_the_header(monkeypatch):
         media.load_frames(InputFile("cam.png", "image/png", buf.getvalue()), "files[0]", 16, 16,
                           limits=media.Limits(max_pixels=1000))
     assert e.value.field == "files[0]"
+
+
+def test_the_pixels_a_video_decodes_to_are_bounded():
+    import io
+
+    from PIL import Image
+
+    from mstar.models.base import InputFile, InvalidArgument
+    from mstar.models.vjepa2 import media
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30)).save(buf, format="PNG")
+    f = InputFile("cam.png", "image/png", buf.getvalue())
+    with pytest.raises(InvalidArgument, match=r"the video decodes to more than 1199 pixels in all"):
+        media.load_frames(f, "files[0]", 16, 16, limits=media.Limits(max_decoded_pixels=1199))
+    assert media.load_frames(f, "files[0]", 16, 16, limits=media.Limits(max_decoded_pixels=1200)).shape[0] == 1
