@@ -145,6 +145,29 @@ class LauncherProcess:
         return stop_process(self.proc, timeout=timeout)
 
 
+def forbid_video_decoding(monkeypatch) -> None:
+    """From now on (until ``monkeypatch`` undoes it) ``av.open`` gives containers whose ``decode``
+    fails the test: for size checks that must refuse a file from its header, before any frame."""
+    import av
+
+    real_open = av.open
+
+    class Undecoded:
+        def __init__(self, container):
+            self.container, self.streams = container, container.streams
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.container.close()
+
+        def decode(self, *a, **k):
+            pytest.fail("a frame was decoded before its size was checked")
+
+    monkeypatch.setattr(av, "open", lambda *a, **k: Undecoded(real_open(*a, **k)))
+
+
 def _remove(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

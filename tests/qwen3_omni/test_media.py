@@ -11,6 +11,8 @@ from mstar.models.base import InputFile, InvalidArgument
 from mstar.models.qwen3_omni.audio import output_lengths
 from mstar.models.qwen3_omni.media import MediaDecoder
 
+from helpers import forbid_video_decoding
+
 
 @pytest.fixture()
 def media(parts):
@@ -84,29 +86,12 @@ def test_bad_media_names_the_file(media, name, kind, data, why):
 def test_video_frames_past_the_pixel_limit_are_refused_before_decoding(media, monkeypatch):
     """A video's frame size comes from its header: past MAX_INPUT_PIXELS (here lowered to 64x47)
     the file is refused before any frame is decoded; at the limit it decodes as before."""
-    import av
-
     from mstar.models.qwen3_omni import media as media_module
 
     data = mp4_bytes(frames=4, w=64, h=48)
-    real_open = av.open
-
-    class Undecoded:
-        def __init__(self, container):
-            self.container, self.streams = container, container.streams
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.container.close()
-
-        def decode(self, *a, **k):
-            pytest.fail("a frame was decoded before its size was checked")
-
     monkeypatch.setattr(media_module, "MAX_INPUT_PIXELS", 64 * 47)
     with monkeypatch.context() as m:
-        m.setattr(av, "open", lambda *a, **k: Undecoded(real_open(*a, **k)))
+        forbid_video_decoding(m)
         with pytest.raises(InvalidArgument) as e:
             media.decode([InputFile("clip.mp4", "video/mp4", data)])
     assert e.value.field == "files[0]" and "video frames of 64x48 pixels; at most 3008 pixels" in e.value.description

@@ -19,7 +19,7 @@ from test_vjepa2_served import npy, req, served  # noqa: F401 (served: a fixture
 from mstar.gateway.app import create_app
 from mstar.v1 import conductor_pb2 as cpb
 
-from helpers import collect, run
+from helpers import collect, forbid_video_decoding, run
 from inprocess import inprocess_mesh
 
 OCTET = {"Accept": "application/octet-stream"}
@@ -195,7 +195,6 @@ def test_a_frame_size_past_the_limit_is_refused_from_the_header(monkeypatch):
     before any frame is decoded (a small file can declare a huge frame)."""
     import io
 
-    import av
     from PIL import Image
 
     from mstar.models.base import InputFile, InvalidArgument
@@ -203,22 +202,7 @@ def test_a_frame_size_past_the_limit_is_refused_from_the_header(monkeypatch):
 
     buf = io.BytesIO()
     Image.new("RGB", (40, 30)).save(buf, format="PNG")
-    real_open = av.open
-
-    class Undecoded:
-        def __init__(self, container):
-            self.container, self.streams = container, container.streams
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.container.close()
-
-        def decode(self, *a, **k):
-            pytest.fail("a frame was decoded before its size was checked")
-
-    monkeypatch.setattr(av, "open", lambda *a, **k: Undecoded(real_open(*a, **k)))
+    forbid_video_decoding(monkeypatch)
     with pytest.raises(InvalidArgument, match=r"frames of 40x30 exceed 1000 pixels") as e:
         media.load_frames(InputFile("cam.png", "image/png", buf.getvalue()), "files[0]", 16, 16,
                           limits=media.Limits(max_pixels=1000))
