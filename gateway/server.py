@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ from mstar import auth
 from mstar.gateway.app import DRAINING, create_app
 from mstar.gateway.uploads import UploadSettings
 from mstar.limits import MAX_REQUEST_BYTES
+from mstar.ports import EXIT_PORT_IN_USE
 
 log = logging.getLogger("mstar.gateway")
 
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
         return 2
     except OSError as e:  # typically the port is taken
         log.error("gateway cannot serve on %s:%s: %s", args.host, args.port, e)
-        return 1
+        return EXIT_PORT_IN_USE if e.errno == errno.EADDRINUSE else 1
     return 0
 
 

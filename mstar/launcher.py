@@ -25,7 +25,7 @@ from mstar import tls as mtls
 from mstar.config import Placement, PlacementConfig
 from mstar.models import hub
 from mstar.models.registry import create_model
-from mstar.ports import PortInUse, free_port, taken_ports
+from mstar.ports import EXIT_PORT_IN_USE, PortInUse, free_port, taken_ports
 from mstar.shm_names import PrefixLock
 
 #: how often a start still waiting for a service says so on stderr (seconds)
@@ -34,6 +34,11 @@ WAIT_NOTE_S = 30.0
 
 class LaunchError(RuntimeError):
     pass
+
+
+class PortTaken(LaunchError):
+    """A service could not listen on a port the launcher chose for it: another process bound it
+    between the choice and the bind (the launcher starts the mesh again on other ports)."""
 
 
 @dataclass
@@ -245,6 +250,9 @@ class Mesh:
         deadline, note = start + self.opts.startup_timeout_s, start + WAIT_NOTE_S
         while time.monotonic() < deadline:
             dead = self.dead()
+            if dead is not None and dead.proc.returncode == EXIT_PORT_IN_USE:
+                raise PortTaken(f"service '{dead.name}' could not listen on a port chosen for it: another process "
+                                "took it meanwhile")
             if dead is not None:
                 raise LaunchError(f"service '{dead.name}' exited during startup with code {dead.proc.returncode}")
             if self._healthy(s):

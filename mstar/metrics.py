@@ -16,6 +16,7 @@ so far) is read at every scrape (``watch_kv``), so the series cost nothing betwe
 
 from __future__ import annotations
 
+import errno
 import threading
 from bisect import bisect_left
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from mstar.ports import PortInUse
 
 disable_created_metrics()  # no *_created series: Prometheus does not need them and they double the output
 
@@ -354,7 +357,13 @@ def serve_metrics(address: str, port: int) -> int:
     """Serve the default registry on ``http://<host of address>:port/metrics`` (a daemon thread;
     port 0 picks a free one); returns the bound port. ``address`` is the service's ``host:port``."""
     host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-    httpd, _ = start_http_server(port, addr=host)
+    try:
+        httpd, _ = start_http_server(port, addr=host)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUse(f"cannot serve metrics on {host}:{port}: the port is in use; stop that process or pick "
+                        "another --metrics-port") from None
     return httpd.server_port
 
 

@@ -33,6 +33,11 @@ def free_port(host: str) -> int:
     raise RuntimeError(f"no free port on {host} in [{first}, {low})")
 
 
+#: a service's exit code when a port it must listen on is held by another socket (Linux's
+#: EADDRINUSE): the launcher then knows a port it chose was taken meanwhile (``mstar.launcher``)
+EXIT_PORT_IN_USE = 98
+
+
 class PortInUse(OSError):
     """A port a service must listen on is held by another socket; the message names it and
     says what to change."""

@@ -10,7 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mstar import tls as mtls
-from mstar.ports import PortInUse
+from mstar.ports import EXIT_PORT_IN_USE, PortInUse
 from mstar.services.links import SERVER_OPTIONS
 
 #: grpc sets SO_REUSEPORT by default: a second server on a taken port then binds silently and
@@ -54,9 +54,9 @@ class ServerBase:
 def run_service(main) -> None:
     """Run a service's main coroutine on uvloop (about 25% less CPU per gRPC message
     than the default loop on our benchmarks). A port that cannot be bound ends the process
-    with one line naming it (exit code 2), not a traceback."""
+    with one line naming it (exit code EXIT_PORT_IN_USE), not a traceback."""
     try:
         uvloop.run(main)
     except PortInUse as e:
         logging.getLogger(__name__).error("%s", e)  # the service's log line names the service
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_PORT_IN_USE) from None

@@ -3,7 +3,7 @@
 import socket
 from pathlib import Path
 
-from mstar.ports import free_port
+from mstar.ports import EXIT_PORT_IN_USE, free_port
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
@@ -49,8 +49,8 @@ def test_grpc_servers_refuse_to_share_a_port():
 
 
 def test_a_service_on_a_taken_port_exits_with_one_line(tmp_path):
-    """`python -m mstar.conductor` on a held port: exit code 2 and a log line naming the address,
-    no traceback."""
+    """`python -m mstar.conductor` on a held port: exit code EXIT_PORT_IN_USE (the launcher reads it)
+    and a log line naming the address, no traceback."""
     import json
     import subprocess
     import sys
@@ -64,5 +64,33 @@ def test_a_service_on_a_taken_port_exits_with_one_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "mstar.conductor", "--config", str(config), "--address",
                             f"127.0.0.1:{port}", "--groups", json.dumps(groups)], capture_output=True, text=True,
                            timeout=60)
-    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.returncode == EXIT_PORT_IN_USE == 98, r.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_metrics_on_a_taken_port_is_port_in_use():
+    import pytest
+
+    from mstar.metrics import serve_metrics
+    from mstar.ports import PortInUse
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PortInUse, match=f"cannot serve metrics on 127.0.0.1:{port}: the port is in use"):
+            serve_metrics("127.0.0.1:1", port)
+
+
+def test_the_gateway_on_a_taken_port_exits_port_in_use():
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mstar.gateway", "--conductor", "127.0.0.1:9", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_PORT_IN_USE, r.stderr[-2000:]
+    assert f"gateway cannot serve on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr

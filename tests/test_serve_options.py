@@ -175,3 +175,55 @@ def test_a_stop_signal_during_start_stops_what_runs(monkeypatch, capsys):
         for s, handler in saved.items():
             signal.signal(s, handler)
     assert "mstar: stopped during startup" in capsys.readouterr().err
+
+
+def test_a_port_taken_between_choice_and_bind_fails_the_start_as_port_taken(toy_config, monkeypatch):
+    """Another process binds a node group's chosen port after the launcher checked it and before
+    the group binds it: the group exits EXIT_PORT_IN_USE, start() raises PortTaken naming it, and
+    nothing is left running."""
+    import socket
+
+    from mstar.launcher import PortTaken
+
+    m = mesh(toy_config)
+    decoder = next(s for s in m.services if s.name == "decoder")
+    checked = m.check_ports
+    with socket.socket() as thief:
+        def check_then_take():
+            checked()
+            thief.bind(("127.0.0.1", int(decoder.address.rsplit(":", 1)[1])))
+            thief.listen()
+        monkeypatch.setattr(m, "check_ports", check_then_take)
+        with pytest.raises(PortTaken, match="service 'decoder' could not listen on a port chosen for it"):
+            m.start()
+    assert not m.running()
+
+
+def test_serve_starts_again_on_other_ports_when_a_chosen_port_was_taken(monkeypatch, capsys):
+    """``mstar serve``: a start that fails with PortTaken is made again with a new Mesh (new ports),
+    up to START_TRIES; the last failure is the usual one-line error (exit 2)."""
+    from mstar.launcher import PortTaken
+
+    meshes = []
+
+    def run(fail: int):
+        def fake(m):
+            meshes.append(m)
+            if len(meshes) <= fail:
+                raise PortTaken("service 'decoder' could not listen on a port chosen for it: another process took it "
+                                "meanwhile")
+            return 0
+        return fake
+
+    args = parse("--port", "0", "--grpc-port", "0")
+    monkeypatch.setattr(cli, "run_forever", run(2))
+    assert cli._launch(args, TOY_CONFIGS / "default.yaml") == 0 and len(meshes) == 3
+    ports = [{s.name: s.address for s in m.services if s.kind == "node_group"} for m in meshes]
+    assert len({p["decoder"] for p in ports}) == 3  # each try on ports chosen again
+    err = capsys.readouterr().err
+    assert "starting the mesh again on other ports (try 2 of 3)" in err and "(try 3 of 3)" in err
+    meshes.clear()
+    monkeypatch.setattr(cli, "run_forever", run(3))
+    assert cli._launch(args, TOY_CONFIGS / "default.yaml") == 2 and len(meshes) == 3
+    assert capsys.readouterr().err.rstrip().endswith("mstar: service 'decoder' could not listen on a port chosen for "
+                                                     "it: another process took it meanwhile")
