@@ -81,16 +81,3 @@ def test_metrics_on_a_taken_port_is_port_in_use():
         with pytest.raises(PortInUse, match=f"cannot serve metrics on 127.0.0.1:{port}: the port is in use"):
             serve_metrics("127.0.0.1:1", port)
 
-
-def test_the_gateway_on_a_taken_port_exits_port_in_use():
-    import subprocess
-    import sys
-
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "mstar.gateway", "--conductor", "127.0.0.1:9", "--port", str(port)],
-                           capture_output=True, text=True, timeout=60)
-    assert r.returncode == EXIT_PORT_IN_USE, r.stderr[-2000:]
-    assert f"gateway cannot serve on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
