@@ -13,7 +13,7 @@ try:
     from mstar.deploy import cli as deploy_cli
     from mstar.devices import placement_line, resolve_gpus
     from mstar.env import settings
-    from mstar.launcher import LaunchError, LaunchOptions, Mesh, PortTaken, run_forever
+    from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
     from mstar.layouts import models_text, resolve, serve_target
     from mstar.models.base import MissingAssets
     from mstar.models.hub import CheckpointError
@@ -26,11 +26,6 @@ try:
 except ModuleNotFoundError as _e:  # run from a checkout without its dependencies installed
     raise SystemExit(f"mstar: {_e}: M*'s dependencies are not installed for {sys.executable}. Run `make setup` in the "
                      f"checkout (or pip install -e '.[all]')") from None
-
-
-#: starts of a mesh whose services find a port chosen for them taken meanwhile (another mesh
-#: starting at the same moment chose it too), each on freshly chosen ports
-START_TRIES = 3
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -147,13 +142,7 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
                              startup_timeout_s=args.startup_timeout, envoy=args.envoy, envoy_port=args.envoy_port,
                              download=args.download or settings().download, **checked)
         print(placement_line(config.node_groups, gpus, args.gpus), file=sys.stderr, flush=True)
-        for attempt in range(2, START_TRIES + 1):  # ports are chosen before the services bind them
-            try:
-                return run_forever(Mesh(config, opts))
-            except PortTaken as e:
-                print(f"mstar: {e}; starting the mesh again on other ports (try {attempt} of {START_TRIES})",
-                      file=sys.stderr, flush=True)
-        return run_forever(Mesh(config, opts))
+        return run_forever(lambda: Mesh(config, opts))
     except (ConfigError, UnknownModel, LaunchError, ValueError, FileNotFoundError, MissingAssets, PortInUse,
             CheckpointError, NvtxUnavailable) as e:
         print(f"mstar: {e}", file=sys.stderr)

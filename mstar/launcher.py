@@ -30,6 +30,9 @@ from mstar.shm_names import PrefixLock
 
 #: how often a start still waiting for a service says so on stderr (seconds)
 WAIT_NOTE_S = 30.0
+#: starts of a mesh whose services find a port chosen for them taken meanwhile (another mesh
+#: starting at the same moment chose it too), each on freshly chosen ports
+START_TRIES = 3
 
 
 class LaunchError(RuntimeError):
@@ -356,9 +359,11 @@ class _StopDuringStart(BaseException):
     """SIGINT/SIGTERM while the mesh was starting."""
 
 
-def run_forever(mesh: Mesh) -> int:
-    """Serve until SIGINT/SIGTERM (exit 0) or until a service dies (exit 1, naming it). A signal
-    during start stops what has started at once (exit 0), without waiting for the rest to load."""
+def run_forever(make_mesh: Callable[[], Mesh], tries: int = START_TRIES) -> int:
+    """Start the mesh ``make_mesh()`` builds, then serve until SIGINT/SIGTERM (exit 0) or until a
+    service dies (exit 1, naming it). A start that fails with PortTaken is made again on a new
+    mesh (its ports chosen again), up to ``tries`` starts. A signal during start stops what has
+    started at once (exit 0), without waiting for the rest to load."""
     stopping = []
 
     def record(*_):
@@ -371,12 +376,22 @@ def run_forever(mesh: Mesh) -> int:
 
     signal.signal(signal.SIGTERM, abort_start)
     signal.signal(signal.SIGINT, abort_start)
+    mesh = None
     try:
-        mesh.start()  # its own failure handler stops every service it started
+        for attempt in range(1, tries + 1):
+            mesh = make_mesh()
+            try:
+                mesh.start()  # its own failure handler stops every service it started
+                break
+            except PortTaken as e:
+                if attempt == tries:
+                    raise
+                print(f"mstar: {e}; starting the mesh again on other ports (try {attempt + 1} of {tries})",
+                      file=sys.stderr, flush=True)
         signal.signal(signal.SIGTERM, record)
         signal.signal(signal.SIGINT, record)
     except _StopDuringStart:
-        if mesh.running():  # the signal came just after start() returned
+        if mesh is not None and mesh.running():  # the signal came just after start() returned
             mesh.stop()
         print("mstar: stopped during startup", file=sys.stderr, flush=True)
         return 0

@@ -55,7 +55,7 @@ def serve(argv: list[str], monkeypatch, count: int):
 
     monkeypatch.setattr("mstar.devices.cuda_device_count", lambda: count)
     meshes = []
-    monkeypatch.setattr(cli, "run_forever", lambda mesh: meshes.append(mesh) or 0)
+    monkeypatch.setattr(cli, "run_forever", lambda make_mesh: meshes.append(make_mesh()) or 0)
     p = argparse.ArgumentParser()
     cli._serve_args(p)
     args = p.parse_args(argv)

@@ -124,7 +124,7 @@ def serve(argv: list[str], monkeypatch):
     from mstar import cli
 
     started = []
-    monkeypatch.setattr(cli, "run_forever", lambda mesh: started.append(mesh) or 0)
+    monkeypatch.setattr(cli, "run_forever", lambda make_mesh: started.append(make_mesh()) or 0)
     p = argparse.ArgumentParser()
     cli._serve_args(p)
     args = p.parse_args(argv)

@@ -145,9 +145,20 @@ def test_mooncake_port_needs_mooncake(monkeypatch):
         cli._serve_settings(parse("--mooncake-port", "40000"))
 
 
-def test_a_stop_signal_during_start_stops_what_runs(monkeypatch, capsys):
+@pytest.fixture()
+def own_signal_handlers():
+    """run_forever installs SIGTERM / SIGINT handlers: the test process gets its own back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_a_stop_signal_during_start_stops_what_runs(own_signal_handlers, capsys):
     """SIGTERM inside start() (here, once every service runs) ends run_forever with exit 0 and
-    the mesh stopped; the process's own handlers are restored afterwards."""
+    the mesh stopped."""
     import signal
     import time
 
@@ -167,13 +178,8 @@ def test_a_stop_signal_during_start_stops_what_runs(monkeypatch, capsys):
         def stop(self):
             self.stopped = True
 
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        m = StartingMesh()
-        assert launcher.run_forever(m) == 0 and m.stopped
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    m = StartingMesh()
+    assert launcher.run_forever(lambda: m) == 0 and m.stopped
     assert "mstar: stopped during startup" in capsys.readouterr().err
 
 
@@ -199,31 +205,32 @@ def test_a_port_taken_between_choice_and_bind_fails_the_start_as_port_taken(toy_
     assert not m.running()
 
 
-def test_serve_starts_again_on_other_ports_when_a_chosen_port_was_taken(monkeypatch, capsys):
-    """``mstar serve``: a start that fails with PortTaken is made again with a new Mesh (new ports),
-    up to START_TRIES; the last failure is the usual one-line error (exit 2)."""
-    from mstar.launcher import PortTaken
+def test_a_start_that_found_a_port_taken_is_made_again_on_other_ports(toy_config, monkeypatch, own_signal_handlers,
+                                                                      capsys):
+    """run_forever: a start that fails with PortTaken is made again on a new Mesh (its ports chosen
+    again), up to ``tries`` starts; past them the PortTaken is the caller's (`mstar serve`: exit 2)."""
+    from types import SimpleNamespace
 
-    meshes = []
+    import mstar.launcher as launcher
 
-    def run(fail: int):
-        def fake(m):
-            meshes.append(m)
-            if len(meshes) <= fail:
-                raise PortTaken("service 'decoder' could not listen on a port chosen for it: another process took it "
-                                "meanwhile")
-            return 0
-        return fake
+    meshes, fail = [], 2
 
-    args = parse("--port", "0", "--grpc-port", "0")
-    monkeypatch.setattr(cli, "run_forever", run(2))
-    assert cli._launch(args, TOY_CONFIGS / "default.yaml") == 0 and len(meshes) == 3
-    ports = [{s.name: s.address for s in m.services if s.kind == "node_group"} for m in meshes]
-    assert len({p["decoder"] for p in ports}) == 3  # each try on ports chosen again
+    def start(self):
+        meshes.append(self)
+        if len(meshes) <= fail:
+            raise launcher.PortTaken("service 'decoder' could not listen on a port chosen for it: another process "
+                                     "took it meanwhile")
+
+    gone = SimpleNamespace(name="decoder", kind="node_group", address="-", proc=SimpleNamespace(returncode=-9))
+    monkeypatch.setattr(Mesh, "start", start)
+    monkeypatch.setattr(Mesh, "dead", lambda self: gone)  # serving ends at once: a service "died"
+    monkeypatch.setattr(Mesh, "stop", lambda self: None)
+    assert launcher.run_forever(lambda: mesh(toy_config)) == 1 and len(meshes) == 3
+    assert len({next(s.address for s in m.services if s.name == "decoder") for m in meshes}) == 3  # ports chosen again
     err = capsys.readouterr().err
     assert "starting the mesh again on other ports (try 2 of 3)" in err and "(try 3 of 3)" in err
     meshes.clear()
-    monkeypatch.setattr(cli, "run_forever", run(3))
-    assert cli._launch(args, TOY_CONFIGS / "default.yaml") == 2 and len(meshes) == 3
-    assert capsys.readouterr().err.rstrip().endswith("mstar: service 'decoder' could not listen on a port chosen for "
-                                                     "it: another process took it meanwhile")
+    fail = 3
+    with pytest.raises(launcher.PortTaken, match="service 'decoder' could not listen"):
+        launcher.run_forever(lambda: mesh(toy_config))
+    assert len(meshes) == 3
