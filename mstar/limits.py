@@ -17,6 +17,10 @@ ENVELOPE_BYTES = 1 << 20
 MAX_PUBLIC_MESSAGE_BYTES = MAX_REQUEST_BYTES + ENVELOPE_BYTES
 #: frames between services and responses to clients
 MAX_FRAME_MESSAGE_BYTES = 1 << 30
+#: the most pixels an input image (or video frame) may declare, checked from its header before it
+#: is decoded: a small compressed file can declare a huge image, and its RGB bytes and resize cost
+#: memory and CPU in proportion (8192 x 8192)
+MAX_INPUT_PIXELS = 64 * 1024 * 1024
 
 #: a channel that sends client requests to the conductor and reads its answers
 REQUEST_CHANNEL_OPTIONS = [

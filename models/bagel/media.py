@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MAX_INPUT_PIXELS = 64 * 1024 * 1024  # larger uploads are refused before decoding
+from mstar.limits import MAX_INPUT_PIXELS  # larger uploads are refused before decoding
 
 
 @dataclass(frozen=True)

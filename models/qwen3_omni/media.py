@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mstar.limits import MAX_INPUT_PIXELS
 from mstar.models.base import InputFile, InvalidArgument
 from mstar.models.qwen3_omni.audio import output_lengths
 from mstar.models.qwen3_omni.config import OmniConfig
@@ -26,9 +27,6 @@ SAMPLE_RATE = 16_000
 VIDEO_FPS = 2.0  # frames sampled per second of video (Qwen's default)
 MAX_VIDEO_FRAMES = 256
 VIDEO_FRAME_PIXELS = 256 * 32 * 32  # per frame, after resizing (before temporal pairing)
-#: the most pixels an input image may declare, checked from its header before it is decoded (its RGB
-#: bytes and the resize cost memory and CPU in proportion); BAGEL's bound
-MAX_INPUT_PIXELS = 64 * 1024 * 1024
 #: the decoding a video may cost, kept frames or not: frames, and pixels over all of them (two minutes
 #: of 1080p at 30 fps fit); a tiny file can declare a high frame rate of large, static frames
 MAX_DECODED_FRAMES = 4096
@@ -167,9 +165,7 @@ class MediaDecoder:
 
         try:
             img = Image.open(io.BytesIO(data))
-            if img.width * img.height > MAX_INPUT_PIXELS:
-                raise InvalidArgument(where, f"image of {img.width}x{img.height} pixels; at most {MAX_INPUT_PIXELS} "
-                                             f"pixels (8192x8192)")
+            _check_pixels(img.width, img.height, where, "image")
             img = img.convert("RGB")
         except (UnidentifiedImageError, OSError) as e:
             raise InvalidArgument(where, f"not a readable image ({e})") from None
@@ -222,10 +218,10 @@ class MediaDecoder:
         try:
             with av.open(io.BytesIO(data)) as container:
                 stream = container.streams.video[0]
-                _check_frame(stream.codec_context.width, stream.codec_context.height, where)
+                _check_pixels(stream.codec_context.width, stream.codec_context.height, where, "video frames")
                 next_t = 0.0
                 for frame in container.decode(stream):
-                    _check_frame(frame.width, frame.height, where)  # a stream may change size midway
+                    _check_pixels(frame.width, frame.height, where, "video frames")  # a size may change midway
                     decoded, pixels = decoded + 1, pixels + frame.width * frame.height
                     if decoded > MAX_DECODED_FRAMES or pixels > MAX_DECODED_PIXELS:
                         raise InvalidArgument(where, f"the video decodes to more than {MAX_DECODED_FRAMES} frames or "
@@ -248,10 +244,9 @@ class MediaDecoder:
             raise InvalidArgument(where, "the video has no frames")
 
 
-def _check_frame(width: int, height: int, where: str) -> None:
+def _check_pixels(width: int, height: int, where: str, what: str) -> None:
     if width * height > MAX_INPUT_PIXELS:
-        raise InvalidArgument(where, f"video frames of {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels "
-                                     f"(8192x8192)")
+        raise InvalidArgument(where, f"{what} of {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels (8192x8192)")
 
 
 def _is_mp3(f: InputFile) -> bool:

@@ -63,15 +63,17 @@ def _decode_av(f: InputFile, field: str, step: int, limits: Limits) -> np.ndarra
         with av.open(io.BytesIO(f.data), mode="r") as container:
             if not container.streams.video:
                 raise InvalidArgument(field, "has no video stream")
-            ctx = container.streams.video[0].codec_context  # the header's size: refused before any frame is decoded
-            if ctx.width * ctx.height > limits.max_pixels:
-                raise InvalidArgument(field, f"frames of {ctx.width}x{ctx.height} exceed {limits.max_pixels} pixels")
+            def check(width: int, height: int) -> None:
+                if width * height > limits.max_pixels:
+                    raise InvalidArgument(field, f"frames of {width}x{height} exceed {limits.max_pixels} pixels")
+
+            ctx = container.streams.video[0].codec_context
+            check(ctx.width, ctx.height)  # the header's size: refused before any frame is decoded
             pixels = 0
             for i, frame in enumerate(container.decode(video=0)):
                 if i >= limits.max_decoded:
                     raise InvalidArgument(field, f"video is longer than {limits.max_decoded} frames")
-                if frame.width * frame.height > limits.max_pixels:
-                    raise InvalidArgument(field, f"frames of {frame.width}x{frame.height} exceed {limits.max_pixels} pixels")
+                check(frame.width, frame.height)
                 pixels += frame.width * frame.height
                 if pixels > limits.max_decoded_pixels:
                     raise InvalidArgument(field, f"the video decodes to more than {limits.max_decoded_pixels} pixels "
