@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import served
+from clients_mesh import served
 
 from mstar import AsyncMStarClient, InvalidArgument, MStarClient
 from mstar.client import Plan, Rollout, RolloutStep

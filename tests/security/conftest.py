@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from security_mesh import MAX_INFLIGHT, start_mesh, stop_mesh
+from security_mesh import MAX_INFLIGHT, start_mesh
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +12,5 @@ def mesh():
     try:
         yield m
     finally:
-        code = stop_mesh(m.proc)
-        log = m.log()
-        os.unlink(m.log_path)
-    assert code == 0, f"launcher exited {code}: {log}"
+        code = m.launcher.stop()
+    assert code == 0, f"launcher exited {code}: {m.log()}"

@@ -74,4 +74,3 @@ def test_services_die_with_a_sigkilled_launcher():
             mesh.proc.kill()
         for path in glob.glob(f"/dev/shm/{mesh.prefix}*"):
             os.unlink(path)
-        os.unlink(mesh.log_path)

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from test_vjepa2_served import npy, req, served  # noqa: F401 (served: a fixture)
+from test_vjepa2_served import npy, ref, req, served  # noqa: F401 (ref, served: fixtures)
 
 from mstar.gateway.app import create_app
 from mstar.v1 import conductor_pb2 as cpb
@@ -41,17 +41,10 @@ def form(files: list[cpb.InputFile], **kwargs) -> aiohttp.FormData:
     return f
 
 
-def rollout_inputs(ref):
-    images, acts, states = ref["images"], ref["actions"][0], ref["states"][0]
+def rollout_inputs(outputs):
+    """The reference's first context frames, actions and states as a rollout request."""
+    images, acts, states = outputs["images"], outputs["actions"][0], outputs["states"][0]
     return [npy(images[:2].numpy())], dict(task="rollout", actions=acts[:7].tolist(), states=states[:2].tolist())
-
-
-@pytest.fixture(scope="module")
-def ref():
-    from conftest import DATA
-    from safetensors.torch import load_file
-
-    return load_file(str(DATA / "ac_reference.safetensors"))
 
 
 def test_latents_and_rollouts_leave_the_gateway_as_raw_bytes(served, ref):  # noqa: F811
