@@ -140,6 +140,19 @@ class NodeSubmodule:
     def release(self, request_id: str) -> None:
         """Free everything held for the request (caches, pages)."""
 
+    # -- several ranks (a node group with tp_size > 1) ----------------------------------------
+    #: the ``TensorParallel`` ranks this node joined when created with ``NodeContext.tp``; a
+    #: node that leaves it None runs on one rank. How it splits its work is its own (Megatron
+    #: tensor parallelism for the LLM engines, rows of a pass for BAGEL's flow)
+    tensor_parallel: Any = None
+
+    def follow(self) -> None:
+        """Ranks past 0: mirror rank 0 until its ``close``."""
+        raise TypeError(f"{type(self).__name__} does not run on several ranks")
+
+    def close(self) -> None:
+        """The service is stopping (rank 0 releases ranks 1.. here); after the node's last call."""
+
 
 class LoopBodyNode(NodeSubmodule):
     """A node that is the whole body of a fixed-count Loop (no stop_node) and whose iteration
@@ -218,10 +231,6 @@ class EngineNode(NodeSubmodule):
         raise TypeError("an EngineNode runs through its engine (prepare / outputs), not forward")
 
     # -- tensor parallelism (a node group with tp_size > 1) ---------------------------------
-    #: the ``TensorParallel`` rank this node joined when created with ``NodeContext.tp``;
-    #: a node that leaves it None does not run tensor-parallel
-    tensor_parallel: Any = None
-
     def follow(self) -> None:
         """Ranks past 0: mirror rank 0's engine until its ``close``."""
         if self.tensor_parallel is None:

@@ -15,10 +15,11 @@ Measured (CUDA-synchronised wall time, median of ``--reps`` after ``--warmup``):
   (its TTFT: a 1-token answer; its throughput: N-token answers back to back);
 - the FLOP floor of text-to-image: FLOPs of one guided and one unguided flow step, the VAE decode
   and the prefill (``torch.utils.flop_counter``), over the bf16 matmul peak measured here;
-- ``--parts multi_gpu``: text-to-image at the first size and editing through the mesh with the CFG
-  branches on one device (``default.yaml``), two (``cfg_parallel_2gpu.yaml``) and three
-  (``cfg_parallel.yaml``), as many as the host has; each layout's images against the one-device
-  run's (same seed), and the tensor traffic between groups per flow step with its transport.
+- ``--parts multi_gpu``: text-to-image at the first size and editing through the mesh in each of
+  ``--layouts`` the host has devices for (``LAYOUTS``: the CFG branches on one device, two or three;
+  or every pass split by rows over two or three), and the tensor traffic between groups per flow step
+  with its transport; the images are written beside ``--out``. ``--parts compare --records A B``:
+  those runs' layouts against the one-device one (latency ratios, image differences; same seed).
 
     python bench/bagel/bench_bagel.py --ckpt /data/bagel-random --reference /work/ref-bagel --out bench/results/bagel/bench.json
     python bench/bagel/bench_bagel.py --device cpu --tiny --out /tmp/bagel.json   # smoke test
@@ -284,13 +285,16 @@ def served(args, kwargs: dict, png: bytes) -> dict:
     return asyncio.run(go())
 
 
-MULTI_GPU = (("one_gpu", "default"), ("three_gpus", "cfg_parallel"), ("two_gpus", "cfg_parallel_2gpu"))
+#: layout -> (config, devices): the CFG branches on one, two, three devices (cfg_parallel*), or every
+#: pass split by rows over two or three (sequence_parallel*)
+LAYOUTS = {"one_gpu": ("default", 1), "two_gpus": ("cfg_parallel_2gpu", 2), "three_gpus": ("cfg_parallel", 3),
+           "two_gpus_sp": ("sequence_parallel_2gpu", 2), "three_gpus_sp": ("sequence_parallel", 3)}
 
 
 def multi_gpu(args, kwargs: dict, png: bytes, record: dict, save) -> None:
     """Text-to-image at the first size and editing, served by the launcher's mesh (a process per
-    group), with the CFG branches on one, two and three devices (as many as there are); images
-    compared with the one-device run's."""
+    group) in each of ``args.layouts`` that fits the devices here; each image saved beside the
+    record (``compare`` sets them against the one-device run's)."""
     import torch
 
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 3
@@ -316,18 +320,33 @@ def multi_gpu(args, kwargs: dict, png: bytes, record: dict, save) -> None:
                             "image": first["image"]}
         return res
 
-    images = {}
-    for name, config in MULTI_GPU if gpus >= 3 else MULTI_GPU[::2][:gpus]:
-        devices = {"one_gpu": 1, "two_gpus": 2, "three_gpus": 3}[name]
+    for name in args.layouts:
+        config, devices = LAYOUTS[name]
+        if devices > gpus:
+            continue
         with launched(config, kwargs, gpus=devices if args.device.startswith("cuda") else 0) as m:
             res = asyncio.run(go(*m))
         for job, r in res.items():
-            images[(name, job)] = r.pop("image")
-            if name != "one_gpu":
-                r["vs_one_gpu"] = r["median_s"] / out["one_gpu"][job]["median_s"]
-                r["image_vs_one_gpu"] = image_difference(images[("one_gpu", job)], images[(name, job)])
+            (args.out.parent / f"{name}_{job}.png").write_bytes(r.pop("image"))
         out[name] = res
         save()
+
+
+def compare(records: list[Path], out: Path) -> dict:
+    """The multi-GPU layouts of ``records`` (runs of ``--parts multi_gpu``, their images beside them)
+    against the one-device layout's: latency ratios and image differences."""
+    layouts: dict = {}
+    for path in records:
+        layouts |= {k: v for k, v in json.loads(path.read_text())["multi_gpu"].items() if k != "gpus"}
+    base = layouts["one_gpu"]
+    res = {}
+    for name, jobs in layouts.items():
+        res[name] = {job: {"median_s": r["median_s"], "vs_one_gpu": r["median_s"] / base[job]["median_s"],
+                           "image_vs_one_gpu": image_difference((out.parent / f"one_gpu_{job}.png").read_bytes(),
+                                                                (out.parent / f"{name}_{job}.png").read_bytes())}
+                     for job, r in jobs.items()}
+    out.write_text(json.dumps(res, indent=1))
+    return res
 
 
 # -- the reference -------------------------------------------------------------------------------
@@ -424,10 +443,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--parts", nargs="+", choices=["pipeline", "served", "reference", "multi_gpu"],
+    ap.add_argument("--parts", nargs="+", choices=["pipeline", "served", "reference", "multi_gpu", "compare"],
                     default=["pipeline", "served", "reference"],
-                    help="multi_gpu: the CFG branches on one, two and three devices through the mesh")
+                    help="multi_gpu: --layouts through the mesh; compare: the --records' layouts against one_gpu")
+    ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    ap.add_argument("--records", type=Path, nargs="+", default=[], help="compare: multi_gpu records (images beside them)")
     args = ap.parse_args()
+    if args.parts == ["compare"]:
+        print(json.dumps(compare(args.records, args.out), indent=1))
+        return
 
     import torch
 

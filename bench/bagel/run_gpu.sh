@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # BAGEL's GPU runs (issues 31 and 33) in one device call, from the repository root, with .gpuwheels/
 # and .ref/ carried (both git-ignored):
-#   bash bench/bagel/run_gpu.sh OUTDIR [smoke]
+#   bash bench/bagel/run_gpu.sh OUTDIR [full|smoke|layouts]
+# layouts (issue 33): text-to-image 1024² and editing through the mesh, the one-device layout on the last GPU
+#   and LAYOUTS (default: three_gpus_sp two_gpus_sp three_gpus) on the first three, then the ratios
+#   (layouts.json) and the images beside them. .fi/flashinfer-site.tar.xz and .fi/fi-jit-cache.tgz, when
+#   carried, give every mode FlashInfer's attention.
 # .gpuwheels/: the cp312 wheels the GPU image lacks (bench/orpheus/run_gpu.sh's list without py-spy and
 #   snac, plus pydantic, pydantic-core, annotated-types, typing-inspection, pillow).
 # .ref/bagel: the public reference tree as published (github.com/ByteDance-Seed/Bagel; only read, never
@@ -25,8 +29,29 @@ for w in .gpuwheels/*.whl; do python3 -m zipfile -e "$w" /tmp/wh; done
 for w in .ref/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/ref; done
 # the checkout itself is the package (mstar/__init__.py maps the top-level folders into it)
 export PYTHONPATH=$PWD:/tmp/wh PYTHONUNBUFFERED=1
+if [ -f .fi/flashinfer-site.tar.xz ]; then  # FlashInfer's attention (else torch SDPA over gathered pages)
+  mkdir -p /tmp/site ~/.cache && tar -C /tmp/site -xJf .fi/flashinfer-site.tar.xz && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  if [ -f .fi/fi-jit-cache.tgz ]; then tar -C ~/.cache -xzf .fi/fi-jit-cache.tgz; fi
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 N=$(nvidia-smi -L | wc -l); LAST=$((N - 1)); MULTI=$(seq -s, 0 $(( N > 3 ? 2 : N - 2 )))
+if [ "$MODE" = layouts ]; then  # issue 33: the one-device layout on the last GPU beside the others on the first three
+  CK=/tmp/bagel-full
+  [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_full_checkpoint as w; w('$CK', 'cuda')"
+  stamp "checkpoint"
+  ARGS=(--ckpt $CK --reps ${REPS:-1} --sizes 1024 --parts multi_gpu); TO=$(( ${LIMIT:-560} - $(date +%s) + T0 ))
+  CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --layouts one_gpu \
+    --out "$OUT/layouts_one.json" > "$OUT/layouts_one_log.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$MULTI timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" \
+    --layouts ${LAYOUTS:-three_gpus_sp two_gpus_sp three_gpus} --out "$OUT/layouts_multi.json" > "$OUT/layouts_multi_log.txt" 2>&1
+  wait
+  stamp "layouts"
+  python3 bench/bagel/bench_bagel.py --parts compare --records "$OUT/layouts_one.json" "$OUT/layouts_multi.json" \
+    --out "$OUT/layouts.json"
+  tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null
+  tail -n 5 "$OUT"/*_log.txt
+  exit 0
+fi
 if [ "$MODE" = smoke ]; then
   CK=/tmp/bagel-tiny
   [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_checkpoint as w; w('$CK')"

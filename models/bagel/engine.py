@@ -36,9 +36,17 @@ class BagelLM:
     ``session()``; ``release_soon`` may come from another thread (the node group's event loop)
     and is applied at once when no pass runs, else when the running one ends."""
 
-    def __init__(self, cfg: BagelConfig, llm: BagelLLM, adapter: LatentAdapter, engine_config: EngineConfig):
+    def __init__(self, cfg: BagelConfig, llm: BagelLLM, adapter: LatentAdapter, engine_config: EngineConfig,
+                 sequence_parallel=None):
+        """``sequence_parallel``: a ``TensorParallel`` group of ranks, each with all the weights
+        (``BagelLLM.shard_over``). Rank 0 is driven by the node; it sends every call that
+        changes the caches or makes a pass to the other ranks (``follow``), which make it too:
+        the caches stay alike, and each pass's non-causal rows are split over the ranks."""
         self.cfg, self.llm, self.adapter = cfg, llm, adapter
-        self.engine = KVCacheEngine(llm, engine_config)
+        self.group = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+        if self.group is not None:
+            llm.shard_over(self.group)
+        self.engine = KVCacheEngine(llm, engine_config, page_group=self.group)
         self.device = self.engine.device
         self.dtype = self.engine.dtype
         self.contexts: dict[str, RequestContexts] = {}
@@ -46,6 +54,21 @@ class BagelLM:
         self._pending: deque[str] = deque()
         t = cfg.tokens
         self._markers = torch.tensor([t.soi, t.eoi], device=self.device)
+
+    def _mirror(self, name: str, *args) -> None:
+        """Rank 0 of a sequence-parallel group: the other ranks make this call too."""
+        if self.group is not None and self.group.leader:
+            self.group.send_call(name, args)
+
+    def follow(self) -> None:
+        """Ranks past 0: make rank 0's calls until its ``close``."""
+        self.group.follow_calls(self)
+
+    def close(self) -> None:
+        """Release ranks 1.. (after any pass in flight: the stop must not cut into its calls)."""
+        if self.group is not None:
+            with self.lock:
+                self.group.stop_followers()
 
     def _ctx(self, rid: str) -> RequestContexts:
         return self.contexts.setdefault(rid, RequestContexts({label: 0 for label in LABELS}))
@@ -62,6 +85,7 @@ class BagelLM:
     @torch.inference_mode()
     def prefill_text(self, blocks: list[tuple[str, tuple[str, ...], torch.Tensor]]) -> None:
         """(request, labels, ids) -> each id block appended to each of its labels, causally."""
+        self._mirror("prefill_text", blocks)
         items = []
         for rid, labels, ids in blocks:
             ctx, n = self._ctx(rid), len(ids)
@@ -77,6 +101,7 @@ class BagelLM:
         """(request, labels, middle embeddings) -> [soi, middle, eoi] appended non-causally at one
         position; ``generation``: the middle rows are VAE latents (the generation expert). Returns
         the final hidden states of each (request, label) item."""
+        self._mirror("prefill_image", blocks, generation)
         items, rows = [], []
         for rid, labels, middle in blocks:
             ctx, seq = self._ctx(rid), self._image_block(middle.to(self.device, self.dtype))
@@ -98,6 +123,7 @@ class BagelLM:
     def decode(self, steps: list[tuple[str, int, bool]]) -> list[int]:
         """(request, token, first) -> the greedy next token of each; ``first`` marks a decode's
         first step (its token is <|im_start|> at the context's position), remembered for ``rewind``."""
+        self._mirror("decode", steps)
         items = []
         for rid, token, first in steps:
             ctx = self._ctx(rid)
@@ -112,6 +138,7 @@ class BagelLM:
 
     def rewind(self, rid: str) -> None:
         """Drop what the request's last decode appended to main (think mode re-adds its text)."""
+        self._mirror("rewind", rid)
         ctx = self._ctx(rid)
         if ctx.mark is not None:
             length, rope = ctx.mark
@@ -123,6 +150,7 @@ class BagelLM:
     def velocities(self, steps: list[tuple[str, torch.Tensor, float, FlowParams, tuple[str, ...]]]) -> list[dict[str, torch.Tensor]]:
         """(request, x_t [h·w, 64], t, params, labels) -> each label's velocity [h·w, 64]: one
         non-causal pass over every (request, label), nothing appended."""
+        self._mirror("velocities", steps)
         items, rows = [], []
         for rid, x, t, p, labels in steps:
             h, w = p.latent_hw(self.cfg.latent_downsample)
@@ -153,6 +181,7 @@ class BagelLM:
 
     def import_(self, rid: str, kv: torch.Tensor, meta: torch.Tensor) -> None:
         """Take contexts ``export`` produced elsewhere (the same weights)."""
+        self._mirror("import_", rid, kv, meta)
         ctx, start = self._ctx(rid), 0
         for index, n, rope in meta.tolist():
             label = LABELS[index]
@@ -187,6 +216,7 @@ class BagelLM:
         return self.engine.cache.has_seq(rid, label)
 
     def release(self, rid: str) -> None:
+        self._mirror("release", rid)
         self.engine.release(rid)
         self.contexts.pop(rid, None)
 

@@ -86,15 +86,21 @@ class MoTLayer(nn.Module):
         self.sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, route: Routing) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, route: Routing,
+                gather: Callable | None = None) -> torch.Tensor:
+        """``gather``: (k, v) of this rank's rows -> (k, v) of every row of the pass (a
+        sequence-parallel pass: the rows here are one rank's share; the cache takes all)."""
         n, (hq, hkv, d) = x.shape[0], self.heads
         h = route.apply(x, lambda t: self.und.qkv(self.und.input_norm(t)), lambda t: self.gen.qkv(self.gen.input_norm(t)))
         q, k, v = h.split(self.sizes, dim=-1)
         q, k = self.rope(q.reshape(n, hq, d), k.reshape(n, hkv, d), positions)
         if getattr(ctx.backend, "fuses_rope_store", False):
             raise ValueError(f"attention backend '{ctx.backend.name}' applies RoPE itself; BAGEL's QK-norm comes first")
+        v = v.reshape(n, hkv, d)
+        if gather is not None:
+            k, v = gather(k, v)
         kv_layer = ctx.kv[self.index]
-        ctx.ops.store_kv(kv_layer, ctx.slots, k, v.reshape(n, hkv, d).contiguous())
+        ctx.ops.store_kv(kv_layer, ctx.slots, k, v.contiguous())
         o = ctx.backend.run(q, kv_layer[0], kv_layer[1]).reshape(n, hq * d)
         x = x + route.apply(o, self.und.o_proj, self.gen.o_proj)
         return x + route.apply(x, lambda t: self.und.mlp(self.und.post_norm(t)),
@@ -114,6 +120,8 @@ class BagelLLM(nn.Module):
         self.norm_gen = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._gen_rows: torch.Tensor | None = None
+        #: a ``TensorParallel`` group whose ranks split each non-causal pass's rows (``shard_over``)
+        self.sequence_parallel = None
 
     @contextlib.contextmanager
     def routed(self, gen_rows: torch.Tensor | None):
@@ -127,14 +135,52 @@ class BagelLLM(nn.Module):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)
 
+    def shard_over(self, group) -> None:
+        """Split the rows of every non-causal pass (image blocks, flow steps) over ``group``'s
+        ranks, each holding all the weights and the same cache: rank r runs rows [r·m, (r+1)·m)
+        through every layer, the ranks exchange each layer's K/V (4 KV heads: a few MB at 1024²),
+        and each query attends to all keys as before. The hidden states come back whole on every
+        rank. Causal passes (text, decoding) run whole on each rank."""
+        self.sequence_parallel = group
+
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = embeds.shape[0]
+        if self._gen_rows is not None and self._gen_rows.shape[0] != n:
+            raise ValueError(f"routing names {self._gen_rows.shape[0]} rows; the pass has {n}")
+        sp = self.sequence_parallel
+        if sp is not None and ctx.attn is not None and not ctx.attn.causal:
+            m = -(-n // sp.size)
+            if (sp.size - 1) * m < n:  # every rank has rows
+                return self._sharded(embeds, positions, ctx, sp, m)
         route = Routing(self._gen_rows, embeds.device)
-        if self._gen_rows is not None and self._gen_rows.shape[0] != embeds.shape[0]:
-            raise ValueError(f"routing names {self._gen_rows.shape[0]} rows; the pass has {embeds.shape[0]}")
         h = embeds
         for layer in self.layers:
             h = layer(h, positions, ctx, route)
         return route.apply(h, self.norm, self.norm_gen)
+
+    def _sharded(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, sp, m: int) -> torch.Tensor:
+        n = embeds.shape[0]
+        lo, hi = sp.rank * m, min(n, (sp.rank + 1) * m)
+        ctx.backend.plan(ctx.attn.query_rows(lo, hi))
+        route = Routing(self._gen_rows[lo:hi] if self._gen_rows is not None else None, embeds.device)
+
+        def whole(x: torch.Tensor, dim: int) -> torch.Tensor:
+            """Every rank's rows of x (its rows along ``dim``), in order: all n of them."""
+            pad = m - x.shape[dim]
+            if pad:
+                shape = list(x.shape)
+                shape[dim] = pad
+                x = torch.cat([x, x.new_zeros(shape)], dim)
+            return sp.all_gather(x, dim).narrow(dim, 0, n)
+
+        def gather(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kv = whole(torch.stack([k, v]), 1)
+            return kv[0], kv[1]
+
+        h, pos = embeds[lo:hi], positions[lo:hi]
+        for layer in self.layers:
+            h = layer(h, pos, ctx, route, gather)
+        return whole(route.apply(h, self.norm, self.norm_gen), 0)
 
     def compute_logits(self, hidden: torch.Tensor, vocab_ranges: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
         if vocab_ranges:

@@ -37,12 +37,19 @@ def node_dtype(model, ctx: NodeContext) -> torch.dtype:
 
 
 def load_lm(model, ctx: NodeContext) -> BagelLM:
+    """The group's engine; in a group of several ranks (``tp_size``), this rank's, joined to the
+    others: they split its image blocks and flow steps by rows (``BagelLM``'s sequence_parallel)."""
     from mstar.models.bagel.pipeline import engine_config
     from mstar.models.bagel.pipeline import load_lm as load
 
+    group = None
+    if ctx.tp is not None:
+        from mstar.services.engines.tensor_parallel import TensorParallel
+
+        group = TensorParallel(ctx.tp, ctx.device)
     s = model.settings
     config = engine_config(ctx.device, model.max_seq_len, s.kv_cache_bytes, s.gpu_memory_fraction)
-    return load(model.checkpoint_dir(), model.config(), ctx.device, node_dtype(model, ctx), config)
+    return load(model.checkpoint_dir(), model.config(), ctx.device, node_dtype(model, ctx), config, group)
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,6 +137,14 @@ class _LMNode(NodeSubmodule):
     def __init__(self, model, lm: BagelLM, ctx: NodeContext):
         self.model, self.lm, self.walks = model, lm, ctx.walks
         self.eos = lm.cfg.tokens.eos
+        #: the ranks of a group with tp_size > 1 (the node group starts ranks 1.., which ``follow``)
+        self.tensor_parallel = lm.group
+
+    def follow(self) -> None:
+        self.lm.follow()
+
+    def close(self) -> None:
+        self.lm.close()
 
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         with self.lm.session():

@@ -39,9 +39,10 @@ def engine_config(device: str, max_seq_len: int, kv_cache_bytes: int | None = No
                         cuda_graphs=False, overlap=False)
 
 
-def load_lm(directory: Path, cfg: BagelConfig, device: str, dtype: torch.dtype, config: EngineConfig) -> BagelLM:
+def load_lm(directory: Path, cfg: BagelConfig, device: str, dtype: torch.dtype, config: EngineConfig,
+            sequence_parallel=None) -> BagelLM:
     return BagelLM(cfg, build(BagelLLM, cfg.llm, directory, "llm", device, dtype),
-                   build(LatentAdapter, cfg, directory, "latent", device, dtype), config)
+                   build(LatentAdapter, cfg, directory, "latent", device, dtype), config, sequence_parallel)
 
 
 @dataclass
@@ -55,7 +56,9 @@ class Result:
 
 class BagelPipeline:
     def __init__(self, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 vae_fit: Fit = VAE_FIT, vit_fit: Fit = VIT_FIT, max_seq_len: int = 16384):
+                 vae_fit: Fit = VAE_FIT, vit_fit: Fit = VIT_FIT, max_seq_len: int = 16384, sequence_parallel=None):
+        """``sequence_parallel``: this process's rank of a group that splits the LLM's passes
+        (``BagelLM``); ranks past 0 then call ``self.lm.follow()``."""
         from tokenizers import Tokenizer
 
         d = Path(directory)
@@ -64,7 +67,7 @@ class BagelPipeline:
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
         self.vit = build(VisionEncoder, cfg, d, "vit", device, dtype)
         self.vae = build(AutoEncoder, cfg.vae, d, "vae", device, dtype)
-        self.lm = load_lm(d, cfg, device, dtype, engine_config(device, max_seq_len))
+        self.lm = load_lm(d, cfg, device, dtype, engine_config(device, max_seq_len), sequence_parallel)
         self._n = 0
 
     def text_ids(self, text: str) -> torch.Tensor:

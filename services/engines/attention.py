@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from mstar.services.engines.pages import CsrPageTable
+from mstar.services.engines.pages import CsrPageTable, build_csr
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,25 @@ class AttentionBatch:
     def is_decode(self) -> bool:
         """One query per sequence: the decode kernels apply (causality is moot)."""
         return self.num_tokens == self.batch_size
+
+    def query_rows(self, lo: int, hi: int) -> AttentionBatch:
+        """The same attention for query rows [lo, hi) of the pass only (a sequence-parallel rank's
+        share): each sequence keeps its keys; sequences with no row there drop out. Non-causal
+        only (a causal query's position comes from its place among its sequence's new rows)."""
+        if self.causal:
+            raise ValueError("query_rows splits non-causal passes only")
+        ptr = self.qo_indptr.tolist()
+        if not 0 <= lo < hi <= ptr[-1]:
+            raise ValueError(f"query rows [{lo}, {hi}) outside the pass's {ptr[-1]}")
+        t = self.table
+        keep = [b for b in range(len(ptr) - 1) if ptr[b] < hi and ptr[b + 1] > lo]
+        q_lens = [min(ptr[b + 1], hi) - max(ptr[b], lo) for b in keep]
+        qo = torch.zeros(len(keep) + 1, dtype=torch.int32)
+        qo[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+        indptr = t.kv_indptr.tolist()
+        pages = [t.kv_indices[indptr[b]:indptr[b + 1]].tolist() for b in keep]
+        table = build_csr(pages, [t.kv_lens[b] for b in keep], t.page_size)
+        return AttentionBatch(qo, table, self.slots[lo:hi], causal=False)
 
 
 @dataclass(frozen=True)

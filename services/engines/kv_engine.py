@@ -158,14 +158,18 @@ class _Launched:
 
 class KVCacheEngine:
     def __init__(self, model: PagedDecoder, config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] = time.monotonic, tp=None):
+                 clock: Callable[[], float] = time.monotonic, tp=None, page_group=None):
         """``tp``: this process's ``TensorParallel`` rank for a model loaded with it. Rank 0
-        is a full engine; the others only mirror its passes (``follow``)."""
+        is a full engine; the others only mirror its passes (``follow``). ``page_group``: a
+        ``TensorParallel`` group of whole engines that make the same passes themselves (a
+        sequence-parallel model): their caches get the same number of pages, so a pass that
+        runs out of pages fails on every rank alike."""
         p = next(model.parameters())  # type: ignore[attr-defined]
         self.device, self.dtype, self.config, self.clock = p.device, p.dtype, config, clock
         self.tp = tp
         spec = model.config.kv_spec(config.page_size, p.dtype)  # type: ignore[attr-defined]
-        self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction, tp)
+        self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction,
+                                              tp if tp is not None else page_group)
         backend = make_backend(config.attention, model.config.heads, p.device, p.dtype, config.page_size)
         self.ops = make_ops(config.kernels, p.device, p.dtype)
         why_no_graphs = graphs_unavailable_reason(p.device, backend.name)

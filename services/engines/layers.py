@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mstar.services.engines.attention import AttentionBackend, HeadShape
+from mstar.services.engines.attention import AttentionBackend, AttentionBatch, HeadShape
 from mstar.services.engines.kernels import TORCH_OPS, Ops, rms_norm_ref, rope_ref
 
 
@@ -49,6 +49,9 @@ class ForwardContext:
     # with fused_norms: qkv and o_proj (+ residual add) as Triton kernels (gemm_triton.linear /
     # linear_add_; their weights stored row-major) instead of cuBLAS
     triton_proj: bool = False
+    # the pass's attention batch, as planned (a model that splits the pass's query rows over
+    # ranks plans its share from it: AttentionBatch.query_rows); None in captured decode graphs
+    attn: AttentionBatch | None = None
 
 
 class RMSNorm(nn.Module):

@@ -99,5 +99,6 @@ class ModelRunner:
         if inputs.padded_rows != n:
             raise ValueError("padded step inputs without a captured graph")
         self.backend.plan(inputs.attn)
-        ctx = ForwardContext(self.backend, self.cache.kv, h2d(inputs.attn.slots, self.device), self.ops)
+        ctx = ForwardContext(self.backend, self.cache.kv, h2d(inputs.attn.slots, self.device), self.ops,
+                             attn=inputs.attn)
         return self.model(embeds.to(self.device), h2d(inputs.positions, self.device), ctx)

@@ -107,6 +107,25 @@ class TensorParallel:
                 except Exception:
                     log.exception("tensor-parallel rank %d: a mirrored %s failed", self.rank, what)
 
+    def send_call(self, name: str, args: tuple) -> None:
+        """Leader: have every follower call its ``name(*args)`` (``follow_calls``). Tensors in
+        ``args`` (nested in tuples, lists and dicts) cross on the device group, stream-ordered;
+        the rest is pickled on the command group."""
+        tensors: list[torch.Tensor] = []
+        self.send(("call", name, _strip(args, tensors)))
+        for t in tensors:
+            self.broadcast(t.to(self.device).contiguous())
+
+    def follow_calls(self, target: object) -> None:
+        """A follower rank: make each call the leader's ``send_call`` names on ``target`` (its
+        tensors on this rank's device) until the leader sends ``stop``."""
+        def run(command: tuple) -> None:
+            _, name, args = command
+            getattr(target, name)(*_fill(args, lambda slot: self.broadcast(
+                torch.empty(slot.shape, dtype=slot.dtype, device=self.device))))
+
+        self.follow(run, "call")
+
     def stop_followers(self) -> None:
         """Leader: the followers' last command (their ``follow`` returns)."""
         if self.leader:
@@ -124,3 +143,33 @@ class TensorParallel:
         # destroyed here, not during interpreter teardown, where a still-joinable thread aborts
         # the process ("terminate called without an active exception", exit -6)
         self.group = self.commands = None
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor of a mirrored call, sent on the device group after the command."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(value, tensors: list[torch.Tensor]):
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_strip(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _fill(value, receive: Callable[[_Slot], torch.Tensor]):
+    """``_strip`` undone, receiving the tensors in the order it listed them."""
+    if isinstance(value, _Slot):
+        return receive(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fill(v, receive) for v in value)
+    if isinstance(value, dict):
+        return {k: _fill(v, receive) for k, v in value.items()}
+    return value

@@ -27,7 +27,7 @@ def create_submodules(model: Model, placement: Placement, group: str, device: st
             for n in cfg.node_names}
     if tp is not None:
         for n, sub in subs.items():
-            if not isinstance(sub, EngineNode) or sub.tensor_parallel is None:
+            if sub.tensor_parallel is None:
                 raise ValueError(f"node group '{group}' has tp_size={tp.size}, but node '{n}' of model "
                                  f"'{model.name}' does not run tensor-parallel; use tp_size 1")
     return subs
@@ -92,5 +92,11 @@ class Nodes:
                 await loop.run_in_executor(self._engine_threads, driver.close)
             except Exception:
                 log.exception("closing the engine of node '%s' failed", driver.node)
+        for node, sub in self.submodules.items():  # on the forward thread: after its last call
+            if node not in self.drivers:
+                try:
+                    await loop.run_in_executor(self._executor, sub.close)
+                except Exception:
+                    log.exception("closing node '%s' failed", node)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._engine_threads.shutdown(wait=False, cancel_futures=True)
