@@ -40,14 +40,16 @@ if [ "$MODE" = layouts ]; then  # issue 33: the one-device layout on the last GP
   [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_full_checkpoint as w; w('$CK', 'cuda')"
   stamp "checkpoint"
   ARGS=(--ckpt $CK --reps ${REPS:-1} --sizes 1024 --parts multi_gpu); TO=$(( ${LIMIT:-560} - $(date +%s) + T0 ))
+  W=/tmp/bagel-layouts; mkdir -p $W  # the images stay on the host (a call brings back 8 files)
   CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --layouts one_gpu \
-    --out "$OUT/layouts_one.json" > "$OUT/layouts_one_log.txt" 2>&1 &
+    --out $W/layouts_one.json > "$OUT/layouts_one_log.txt" 2>&1 &
   CUDA_VISIBLE_DEVICES=$MULTI timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" \
-    --layouts ${LAYOUTS:-three_gpus_sp two_gpus_sp three_gpus} --out "$OUT/layouts_multi.json" > "$OUT/layouts_multi_log.txt" 2>&1
+    --layouts ${LAYOUTS:-three_gpus_sp two_gpus_sp three_gpus} --out $W/layouts_multi.json > "$OUT/layouts_multi_log.txt" 2>&1
   wait
   stamp "layouts"
-  python3 bench/bagel/bench_bagel.py --parts compare --records "$OUT/layouts_one.json" "$OUT/layouts_multi.json" \
-    --out "$OUT/layouts.json"
+  cp $W/*.json "$OUT/"
+  python3 bench/bagel/bench_bagel.py --parts compare --records $W/layouts_one.json $W/layouts_multi.json \
+    --out $W/layouts.json && cp $W/layouts.json "$OUT/"
   tar -C ~/.cache -czf "$OUT/fi-jit-cache.tgz" flashinfer 2>/dev/null
   tail -n 5 "$OUT"/*_log.txt
   exit 0
