@@ -4,7 +4,8 @@
 #   bash bench/bagel/run_gpu.sh OUTDIR [full|smoke|layouts]
 # layouts (issue 33): text-to-image 1024² and editing through the mesh, the one-device layout on the last GPU
 #   and LAYOUTS (default: three_gpus_sp two_gpus_sp three_gpus) on the first three, then the ratios
-#   (layouts.json) and the images beside them. .fi/flashinfer-site.tar.xz and .fi/fi-jit-cache.tgz, when
+#   (layouts.json; the images stay on the host); after the one-device layout, ours in one process and
+#   the FLOP floor on its GPU (pipeline.json). .fi/flashinfer-site.tar.xz and .fi/fi-jit-cache.tgz, when
 #   carried, give every mode FlashInfer's attention.
 # .gpuwheels/: the cp312 wheels the GPU image lacks (bench/orpheus/run_gpu.sh's list without py-spy and
 #   snac, plus pydantic, pydantic-core, annotated-types, typing-inspection, pillow).
@@ -41,8 +42,11 @@ if [ "$MODE" = layouts ]; then  # issue 33: the one-device layout on the last GP
   stamp "checkpoint"
   ARGS=(--ckpt $CK --reps ${REPS:-1} --sizes 1024 --parts multi_gpu); TO=$(( ${LIMIT:-560} - $(date +%s) + T0 ))
   W=/tmp/bagel-layouts; mkdir -p $W  # the images stay on the host (a call brings back 8 files)
-  CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --layouts one_gpu \
-    --out $W/layouts_one.json > "$OUT/layouts_one_log.txt" 2>&1 &
+  ( CUDA_VISIBLE_DEVICES=$LAST timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" --layouts one_gpu \
+      --out $W/layouts_one.json
+    # then ours in one process and the FLOP floor (issue 31), on the same GPU
+    CUDA_VISIBLE_DEVICES=$LAST timeout $(( ${LIMIT:-560} - $(date +%s) + T0 )) python3 bench/bagel/bench_bagel.py \
+      --ckpt $CK --reps 1 --sizes 1024 --parts pipeline --out "$OUT/pipeline.json" ) > "$OUT/layouts_one_log.txt" 2>&1 &
   CUDA_VISIBLE_DEVICES=$MULTI timeout $TO python3 bench/bagel/bench_bagel.py "${ARGS[@]}" \
     --layouts ${LAYOUTS:-three_gpus_sp two_gpus_sp three_gpus} --out $W/layouts_multi.json > "$OUT/layouts_multi_log.txt" 2>&1
   wait

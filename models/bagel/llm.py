@@ -16,15 +16,17 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.bagel.config import LLMConfig
-from mstar.services.engines.layers import ForwardContext, RMSNorm, RotaryEmbedding
+from mstar.services.engines.kernels import Ops
+from mstar.services.engines.layers import ForwardContext, FusedProjections, RMSNorm, RotaryEmbedding
 
 
-class Expert(nn.Module):
-    """One expert's half of a layer."""
+class Expert(FusedProjections, nn.Module):
+    """One expert's half of a layer (q / k / v and gate / up each one GEMM once ``fuse``d)."""
+
+    fused_groups = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
@@ -42,16 +44,22 @@ class Expert(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, d)
 
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """Normed q | k | v rows ([n, (Hq + 2 Hkv) * D]), QK-norm applied per head."""
+    def qkv(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """Normed q | k | v rows ([n, (Hq + 2 Hkv) * D]) of the layer input, QK-norm per head."""
         hq, hkv, d = self.heads
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, hq, d))
-        k = self.k_norm(self.k_proj(x).view(n, hkv, d))
-        return torch.cat([q.reshape(n, -1), k.reshape(n, -1), self.v_proj(x)], dim=-1)
+        h = self.fused(norm(ops, self.input_norm, x), "qkv")
+        q, k, v = h.split((hq * d, hkv * d, hkv * d), dim=-1)
+        q = norm(ops, self.q_norm, q.reshape(n * hq, d))
+        k = norm(ops, self.k_norm, k.reshape(n * hkv, d))
+        return torch.cat([q.view(n, -1), k.view(n, -1), v], dim=-1)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def mlp(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.fused(norm(ops, self.post_norm, x), "gate_up")))
+
+
+def norm(ops: Ops, rms: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return ops.rms_norm(x, rms.weight, rms.eps)
 
 
 class Routing:
@@ -65,17 +73,29 @@ class Routing:
             if not bool(gen_rows.all()):
                 self.und_idx = (~gen_rows).nonzero().squeeze(1)
         self.all_gen = self.gen_idx is not None and self.und_idx is None
+        # an image block or a flow step: a few marker rows among thousands of latents. The
+        # generation expert then takes every row (its marker rows overwritten), which spares
+        # gathering and scattering the latents
+        self.few_und = self.und_idx is not None and len(self.und_idx) * MINORITY <= len(gen_rows)
 
     def apply(self, x: torch.Tensor, und: Callable, gen: Callable) -> torch.Tensor:
         if self.gen_idx is None:
             return und(x)
         if self.all_gen:
             return gen(x)
+        if self.few_und:
+            out = gen(x)
+            out[self.und_idx] = und(x[self.und_idx])
+            return out
         yu, yg = und(x[self.und_idx]), gen(x[self.gen_idx])
         out = yu.new_empty((x.shape[0], *yu.shape[1:]))
         out[self.und_idx] = yu
         out[self.gen_idx] = yg
         return out
+
+
+#: a pass whose understanding rows are at most 1 in this many runs every row through the generation expert
+MINORITY = 16
 
 
 class MoTLayer(nn.Module):
@@ -90,10 +110,10 @@ class MoTLayer(nn.Module):
                 gather: Callable | None = None) -> torch.Tensor:
         """``gather``: (k, v) of this rank's rows -> (k, v) of every row of the pass (a
         sequence-parallel pass: the rows here are one rank's share; the cache takes all)."""
-        n, (hq, hkv, d) = x.shape[0], self.heads
-        h = route.apply(x, lambda t: self.und.qkv(self.und.input_norm(t)), lambda t: self.gen.qkv(self.gen.input_norm(t)))
+        n, (hq, hkv, d), ops = x.shape[0], self.heads, ctx.ops
+        h = route.apply(x, lambda t: self.und.qkv(t, ops), lambda t: self.gen.qkv(t, ops))
         q, k, v = h.split(self.sizes, dim=-1)
-        q, k = self.rope(q.reshape(n, hq, d), k.reshape(n, hkv, d), positions)
+        q, k = ops.rope(self.rope, q.reshape(n, hq, d), k.reshape(n, hkv, d), positions)
         if getattr(ctx.backend, "fuses_rope_store", False):
             raise ValueError(f"attention backend '{ctx.backend.name}' applies RoPE itself; BAGEL's QK-norm comes first")
         v = v.reshape(n, hkv, d)
@@ -103,8 +123,7 @@ class MoTLayer(nn.Module):
         ctx.ops.store_kv(kv_layer, ctx.slots, k, v.contiguous())
         o = ctx.backend.run(q, kv_layer[0], kv_layer[1]).reshape(n, hq * d)
         x = x + route.apply(o, self.und.o_proj, self.gen.o_proj)
-        return x + route.apply(x, lambda t: self.und.mlp(self.und.post_norm(t)),
-                               lambda t: self.gen.mlp(self.gen.post_norm(t)))
+        return x + route.apply(x, lambda t: self.und.mlp(t, ops), lambda t: self.gen.mlp(t, ops))
 
 
 class BagelLLM(nn.Module):
@@ -156,7 +175,7 @@ class BagelLLM(nn.Module):
         h = embeds
         for layer in self.layers:
             h = layer(h, positions, ctx, route)
-        return route.apply(h, self.norm, self.norm_gen)
+        return route.apply(h, lambda t: norm(ctx.ops, self.norm, t), lambda t: norm(ctx.ops, self.norm_gen, t))
 
     def _sharded(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, sp, m: int) -> torch.Tensor:
         n = embeds.shape[0]
@@ -180,7 +199,7 @@ class BagelLLM(nn.Module):
         h, pos = embeds[lo:hi], positions[lo:hi]
         for layer in self.layers:
             h = layer(h, pos, ctx, route, gather)
-        return whole(route.apply(h, self.norm, self.norm_gen), 0)
+        return whole(route.apply(h, lambda t: norm(ctx.ops, self.norm, t), lambda t: norm(ctx.ops, self.norm_gen, t)), 0)
 
     def compute_logits(self, hidden: torch.Tensor, vocab_ranges: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
         if vocab_ranges:

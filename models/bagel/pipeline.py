@@ -29,6 +29,7 @@ from mstar.models.bagel.vae import AutoEncoder
 from mstar.models.bagel.vit import VisionEncoder
 from mstar.models.bagel.weights import build
 from mstar.services.engines.kv_engine import EngineConfig
+from mstar.services.engines.layers import fuse_projections
 
 
 def engine_config(device: str, max_seq_len: int, kv_cache_bytes: int | None = None, memory_fraction: float = 0.5) -> EngineConfig:
@@ -41,7 +42,7 @@ def engine_config(device: str, max_seq_len: int, kv_cache_bytes: int | None = No
 
 def load_lm(directory: Path, cfg: BagelConfig, device: str, dtype: torch.dtype, config: EngineConfig,
             sequence_parallel=None) -> BagelLM:
-    return BagelLM(cfg, build(BagelLLM, cfg.llm, directory, "llm", device, dtype),
+    return BagelLM(cfg, fuse_projections(build(BagelLLM, cfg.llm, directory, "llm", device, dtype)),
                    build(LatentAdapter, cfg, directory, "latent", device, dtype), config, sequence_parallel)
 
 

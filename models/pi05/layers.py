@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.pi05.config import GemmaConfig, VisionConfig
+from mstar.services.engines.layers import FusedProjections
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -45,46 +46,8 @@ class SiglipEmbeddings(nn.Module):
         return x.flatten(2).transpose(1, 2) + self.position_embedding.weight
 
 
-class FusedProjections:
-    """Several ``nn.Linear`` of one input computed as one GEMM: ``fuse()`` concatenates their weights
-    (and biases) into one tensor and re-points each Linear's parameters to views of it, so the weights
-    are held once and ``state_dict`` / checkpoint names are unchanged. Call it last, after loading and
-    any ``.to()`` (a later cast or move would copy the views apart)."""
-
-    fused_names: tuple[str, ...] = ()
-    fused_weight: torch.Tensor | None = None
-    fused_bias: torch.Tensor | None = None
-
-    def fuse(self) -> None:
-        linears = [getattr(self, n) for n in self.fused_names]
-        weight = torch.cat([lin.weight.detach() for lin in linears])
-        bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
-        row = 0
-        for lin in linears:
-            rows = lin.weight.shape[0]
-            lin.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
-            if bias is not None:
-                lin.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
-            row += rows
-        self.fused_weight, self.fused_bias = weight, bias
-
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The concatenated outputs of ``fused_names``, in that order."""
-        if self.fused_weight is None:
-            raise RuntimeError(f"{type(self).__name__}: call fuse() once its weights are loaded")
-        return F.linear(x, self.fused_weight, self.fused_bias)
-
-
-def fuse_projections(module: nn.Module) -> nn.Module:
-    """``fuse()`` every fusable block of ``module`` (q / k / v, gate / up); returns ``module``."""
-    for m in module.modules():
-        if isinstance(m, FusedProjections):
-            m.fuse()
-    return module
-
-
 class SiglipAttention(FusedProjections, nn.Module):
-    fused_names = ("q_proj", "k_proj", "v_proj")
+    fused_groups = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -175,7 +138,7 @@ class AdaRMSNorm(nn.Module):
 
 
 class GemmaAttention(FusedProjections, nn.Module):
-    fused_names = ("q_proj", "k_proj", "v_proj")
+    fused_groups = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
@@ -186,7 +149,7 @@ class GemmaAttention(FusedProjections, nn.Module):
 
 
 class GemmaMLP(FusedProjections, nn.Module):
-    fused_names = ("gate_proj", "up_proj")
+    fused_groups = {"gate_up": ("gate_proj", "up_proj")}
 
     def __init__(self, cfg: GemmaConfig):
         super().__init__()

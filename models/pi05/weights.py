@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from mstar.models.pi05.config import Pi05Config
-from mstar.models.pi05.layers import fuse_projections, rope_inv_freq
+from mstar.models.pi05.layers import rope_inv_freq
 from mstar.models.pi05.policy import ActionExpert, Pi05, PrefixLM, VisionTower
+from mstar.services.engines.layers import fuse_projections
 
 WEIGHTS_FILE = "model.safetensors"
 PG = "paligemma_with_expert.paligemma."

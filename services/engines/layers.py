@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mstar.services.engines.attention import AttentionBackend, AttentionBatch, HeadShape
@@ -52,6 +53,51 @@ class ForwardContext:
     # the pass's attention batch, as planned (a model that splits the pass's query rows over
     # ranks plans its share from it: AttentionBatch.query_rows); None in captured decode graphs
     attn: AttentionBatch | None = None
+
+
+class FusedProjections:
+    """Groups of ``nn.Linear`` of one input (q / k / v; gate / up), each group computed as one GEMM.
+    ``fuse()`` concatenates a group's weights (and biases) into one tensor and re-points each
+    Linear's parameters to views of it, so the weights are held once and ``state_dict`` /
+    checkpoint names are unchanged. Call it last, after loading and any ``.to()`` (a later cast or
+    move would copy the views apart)."""
+
+    #: group name -> the Linears' attribute names, in output order
+    fused_groups: dict[str, tuple[str, ...]] = {}
+
+    def fuse(self) -> None:
+        self._fused = {}
+        for group, names in self.fused_groups.items():
+            linears = [getattr(self, n) for n in names]
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+            row = 0
+            for lin in linears:
+                rows = lin.weight.shape[0]
+                lin.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+                if bias is not None:
+                    lin.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+                row += rows
+            self._fused[group] = (weight, bias)
+
+    def fused_weight(self, group: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of ``group`` (the first group when None), concatenated."""
+        fused = getattr(self, "_fused", None)
+        if fused is None:
+            raise RuntimeError(f"{type(self).__name__}: call fuse() once its weights are loaded")
+        return fused[group] if group is not None else next(iter(fused.values()))
+
+    def fused(self, x: torch.Tensor, group: str | None = None) -> torch.Tensor:
+        """The concatenated outputs of ``group`` (the first group when None), in its order."""
+        return F.linear(x, *self.fused_weight(group))
+
+
+def fuse_projections(module: nn.Module) -> nn.Module:
+    """``fuse()`` every ``FusedProjections`` block of ``module``; returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, FusedProjections):
+            m.fuse()
+    return module
 
 
 class RMSNorm(nn.Module):
