@@ -92,12 +92,16 @@ def flop_floor(pipe, size: int, steps: int, peak: float | None) -> dict:
 
     from mstar.models.bagel.flow import FlowParams, schedule, unpatchify_latent
     from mstar.models.bagel.pipeline import flow_step
+    from mstar.services.engines.attention import TorchPagedAttention
 
     p = FlowParams(size, size, steps)
     lm, rid = pipe.lm, "flops"
     h = w = size // pipe.cfg.latent_downsample
     x = torch.randn(h * w, pipe.cfg.patch_latent_dim)
     counts = {}
+    runner = lm.engine.runner
+    backend = runner.backend  # counted with torch's attention: the counter does not see FlashInfer's kernels
+    runner.backend = TorchPagedAttention(lm.llm.config.heads, lm.device)
     try:
         with FlopCounterMode(display=False) as fc:
             lm.prefill_text([(rid, ("main", "cfg_img"), pipe.text_ids(PROMPT))])
@@ -110,6 +114,7 @@ def flop_floor(pipe, size: int, steps: int, peak: float | None) -> dict:
             pipe.vae.decode(unpatchify_latent(x, h, w)[None].to(pipe.device, pipe.dtype))
         counts["vae_decode"] = fc.get_total_flops()
     finally:
+        runner.backend = backend
         lm.release(rid)
     ts, _ = schedule(steps, p.shift)
     guided = sum(1 for t in ts.tolist() if p.scales(t)[0] > 1.0)
@@ -447,6 +452,7 @@ def main() -> None:
                     default=["pipeline", "served", "reference"],
                     help="multi_gpu: --layouts through the mesh; compare: the --records' layouts against one_gpu")
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    ap.add_argument("--model-kwargs", type=json.loads, default={}, help="JSON: more placement model_kwargs (served parts)")
     ap.add_argument("--records", type=Path, nargs="+", default=[], help="compare: multi_gpu records (images beside them)")
     args = ap.parse_args()
     if args.parts == ["compare"]:
@@ -482,7 +488,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1))
 
-    kwargs = {"checkpoint": str(ckpt), "vae_image": list(args.vae_image), "vit_image": list(args.vit_image)}
+    kwargs = {"checkpoint": str(ckpt), "vae_image": list(args.vae_image), "vit_image": list(args.vit_image),
+              **args.model_kwargs}
     if "pipeline" in args.parts:
         pipe = BagelPipeline(ckpt, args.device, dtype, Fit(*args.vae_image, 16), Fit(*args.vit_image, 14))
         ours: dict = {}

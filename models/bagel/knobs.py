@@ -22,6 +22,7 @@ class Settings:
     cfg_parallel: bool
     kv_cache_bytes: int | None
     gpu_memory_fraction: float
+    prefill_attention: str
     max_images: int
     max_side: int
     vae_image: tuple[int, int]

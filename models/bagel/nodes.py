@@ -48,7 +48,7 @@ def load_lm(model, ctx: NodeContext) -> BagelLM:
 
         group = TensorParallel(ctx.tp, ctx.device)
     s = model.settings
-    config = engine_config(ctx.device, model.max_seq_len, s.kv_cache_bytes, s.gpu_memory_fraction)
+    config = engine_config(ctx.device, model.max_seq_len, s.kv_cache_bytes, s.gpu_memory_fraction, s.prefill_attention)
     return load(model.checkpoint_dir(), model.config(), ctx.device, node_dtype(model, ctx), config, group)
 
 

@@ -32,11 +32,13 @@ from mstar.services.engines.kv_engine import EngineConfig
 from mstar.services.engines.layers import fuse_projections
 
 
-def engine_config(device: str, max_seq_len: int, kv_cache_bytes: int | None = None, memory_fraction: float = 0.5) -> EngineConfig:
+def engine_config(device: str, max_seq_len: int, kv_cache_bytes: int | None = None, memory_fraction: float = 0.5,
+                  prefill_attention: str = "auto") -> EngineConfig:
     """Direct passes only: no decode graphs, no pipelined steps."""
     if kv_cache_bytes is None and not device.startswith("cuda"):
         kv_cache_bytes = 64 << 20
     return EngineConfig(kv_cache_bytes=kv_cache_bytes, gpu_memory_fraction=memory_fraction, max_seq_len=max_seq_len,
+                        prefill_attention=prefill_attention,
                         cuda_graphs=False, overlap=False)
 
 

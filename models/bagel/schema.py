@@ -23,6 +23,9 @@ class BagelSettings(Knobs):
     kv_cache_bytes: int | None = Field(None, ge=1 << 20, description="the LLM's KV cache; default 64 MiB on a CPU, "
                                                                      "gpu_memory_fraction of free memory on a GPU")
     gpu_memory_fraction: float = Field(0.5, gt=0, lt=1, description="of the GPU's free memory for the KV cache")
+    prefill_attention: Literal["auto", "fa2", "fa3"] = Field(
+        "auto", description="FlashInfer's kernels for image blocks and flow steps: auto is fa3 on Hopper (a JIT "
+                            "compile of its own on a fresh host), fa2 elsewhere")
     max_images: int = Field(4, ge=1, le=16, description="a request's n at most")
     max_side: int = Field(1024, ge=16, le=1024, description="generated height / width at most (pixels)")
     vae_image: tuple[int, int] = Field((1024, 512), description="input images for the VAE: [longest side at most, "

@@ -159,8 +159,10 @@ class _TorchPlan:
         )
 
 
-def make_backend(kind: str, heads: HeadShape, device: torch.device, dtype: torch.dtype, page_size: int):
-    """'torch', 'flashinfer', or 'auto' (FlashInfer on CUDA when importable, else torch)."""
+def make_backend(kind: str, heads: HeadShape, device: torch.device, dtype: torch.dtype, page_size: int,
+                 prefill: str = "fa2"):
+    """'torch', 'flashinfer', or 'auto' (FlashInfer on CUDA when importable, else torch);
+    ``prefill``: FlashInfer's kernels for multi-token passes (``EngineConfig.prefill_attention``)."""
     if kind not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"Unknown attention backend '{kind}'. Known: auto, torch, flashinfer")
     if kind == "torch" or (kind == "auto" and device.type != "cuda"):
@@ -172,4 +174,4 @@ def make_backend(kind: str, heads: HeadShape, device: torch.device, dtype: torch
                     "installed (`make setup` on a GPU host installs it; or pip install 'mstar[gpu]')", device)
         return TorchPagedAttention(heads, device)
     log.info("attention on %s: FlashInfer (paged prefill and decode)", device)
-    return FlashInferAttention(heads, device, dtype, page_size)
+    return FlashInferAttention(heads, device, dtype, page_size, prefill_backend=prefill)

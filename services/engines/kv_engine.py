@@ -78,6 +78,10 @@ class EngineConfig:
     # one is aborted (the placement YAML's max_seq_len); None: up to the whole cache
     max_seq_len: int | None = None
     attention: str = "auto"  # auto | torch | flashinfer
+    # FlashInfer's kernels for passes of several new tokens a sequence: fa2 (one JIT module with
+    # the decode kernel: one compile on a fresh host) | fa3 (Hopper) | auto (FlashInfer's pick:
+    # fa3 on Hopper). Long non-causal blocks (BAGEL's flow steps) run faster on fa3
+    prefill_attention: str = "fa2"
     cuda_graphs: bool = True  # decode graphs; off (and logged) where unavailable
     overlap: bool = True  # pipelined decode: launch step N+1 before reading step N; CUDA only
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
@@ -111,6 +115,8 @@ class EngineConfig:
     proj_gemm: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.prefill_attention not in ("fa2", "fa3", "auto"):
+            raise ValueError(f"EngineConfig.prefill_attention: '{self.prefill_attention}' is not one of fa2, fa3, auto")
         if self.graph_attention not in GRAPH_ATTENTION:
             raise ValueError(f"EngineConfig.graph_attention: '{self.graph_attention}' is not one of "
                              f"{', '.join(GRAPH_ATTENTION)}")
@@ -170,7 +176,8 @@ class KVCacheEngine:
         spec = model.config.kv_spec(config.page_size, p.dtype)  # type: ignore[attr-defined]
         self.cache = PagedKVCache.from_budget(spec, p.device, config.kv_cache_bytes, config.gpu_memory_fraction,
                                               tp if tp is not None else page_group)
-        backend = make_backend(config.attention, model.config.heads, p.device, p.dtype, config.page_size)
+        backend = make_backend(config.attention, model.config.heads, p.device, p.dtype, config.page_size,
+                               config.prefill_attention)
         self.ops = make_ops(config.kernels, p.device, p.dtype)
         why_no_graphs = graphs_unavailable_reason(p.device, backend.name)
         graphs = None
