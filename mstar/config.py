@@ -25,6 +25,8 @@ class NodeGroupConfig:
     node_names: tuple[str, ...]
     ranks: tuple[int, ...] = (0,)
     graph_walks: tuple[str, ...] | None = None  # None: every walk its nodes appear in
+    # ranks of the group's one node, a process each: how the node splits its work over them is
+    # its own (Megatron tensor parallelism for the LLM engines, a pass's rows for BAGEL's llm)
     tp_size: int = 1
 
     def serves(self, walk: str, node: str) -> bool:
