@@ -92,8 +92,8 @@ class Nodes:
                 await loop.run_in_executor(self._engine_threads, driver.close)
             except Exception:
                 log.exception("closing the engine of node '%s' failed", driver.node)
-        for node, sub in self.submodules.items():  # on the forward thread: after its last call
-            if node not in self.drivers:
+        for node, sub in self.submodules.items():  # ranks 1.. released on the forward thread, after its last call
+            if node not in self.drivers and sub.tensor_parallel is not None:
                 try:
                     await loop.run_in_executor(self._executor, sub.close)
                 except Exception:
