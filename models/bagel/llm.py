@@ -157,7 +157,7 @@ class BagelLLM(nn.Module):
     def shard_over(self, group) -> None:
         """Split the rows of every non-causal pass (image blocks, flow steps) over ``group``'s
         ranks, each holding all the weights and the same cache: rank r runs rows [r·m, (r+1)·m)
-        through every layer, the ranks exchange each layer's K/V (4 KV heads: a few MB at 1024²),
+        through every layer, the ranks all-gather each layer's K/V (4 KV heads: 17 MB at 1024²),
         and each query attends to all keys as before. The hidden states come back whole on every
         rank. Causal passes (text, decoding) run whole on each rank."""
         self.sequence_parallel = group
