@@ -35,10 +35,12 @@ if [ -f .fi/flashinfer-site.tar.xz ]; then  # FlashInfer's attention (else torch
   if [ -f .fi/fi-jit-cache.tgz ]; then tar -C ~/.cache -xzf .fi/fi-jit-cache.tgz; fi
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+full_checkpoint() {  # the full-size random checkpoint, written once per host
+  [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_full_checkpoint as w; w('$CK', 'cuda')"
+}
 N=$(nvidia-smi -L | wc -l); LAST=$((N - 1)); MULTI=$(seq -s, 0 $(( N > 3 ? 2 : N - 2 )))
 if [ "$MODE" = layouts ]; then  # issue 33: the one-device layout on the last GPU beside the others on the first three
-  CK=/tmp/bagel-full
-  [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_full_checkpoint as w; w('$CK', 'cuda')"
+  CK=/tmp/bagel-full; full_checkpoint
   stamp "checkpoint"
   ARGS=(--ckpt $CK --reps ${REPS:-1} --sizes 1024 --parts multi_gpu); TO=$(( ${LIMIT:-560} - $(date +%s) + T0 ))
   W=/tmp/bagel-layouts; mkdir -p $W  # the images stay on the host (a call brings back 8 files)
@@ -63,8 +65,7 @@ if [ "$MODE" = smoke ]; then
   [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_checkpoint as w; w('$CK')"
   ARGS=(--device cuda --tiny --ckpt $CK); TO=150
 else
-  CK=/tmp/bagel-full
-  [ -f $CK/ema.safetensors ] || python3 -c "from mstar.models.bagel.demo import write_full_checkpoint as w; w('$CK', 'cuda')"
+  CK=/tmp/bagel-full; full_checkpoint
   stamp "checkpoint"
   ARGS=(--ckpt $CK --reps ${REPS:-2} --sizes ${SIZES:-1024 512}); TO=$(( ${LIMIT:-560} - $(date +%s) + T0 ))
 fi

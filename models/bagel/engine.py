@@ -43,7 +43,7 @@ class BagelLM:
         changes the caches or makes a pass to the other ranks (``follow``), which make it too:
         the caches stay alike, and each pass's non-causal rows are split over the ranks."""
         self.cfg, self.llm, self.adapter = cfg, llm, adapter
-        self.group = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+        self.group = sequence_parallel
         if self.group is not None:
             llm.shard_over(self.group)
         self.engine = KVCacheEngine(llm, engine_config, page_group=self.group)

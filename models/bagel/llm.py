@@ -43,13 +43,14 @@ class Expert(FusedProjections, nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, d)
+        self.sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)  # q | k | v widths
 
     def qkv(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Normed q | k | v rows ([n, (Hq + 2 Hkv) * D]) of the layer input, QK-norm per head."""
         hq, hkv, d = self.heads
         n = x.shape[0]
         h = self.fused(norm(ops, self.input_norm, x), "qkv")
-        q, k, v = h.split((hq * d, hkv * d, hkv * d), dim=-1)
+        q, k, v = h.split(self.sizes, dim=-1)
         q = norm(ops, self.q_norm, q.reshape(n * hq, d))
         k = norm(ops, self.k_norm, k.reshape(n * hkv, d))
         return torch.cat([q.view(n, -1), k.view(n, -1), v], dim=-1)
@@ -103,8 +104,7 @@ class MoTLayer(nn.Module):
         super().__init__()
         self.und, self.gen = Expert(cfg), Expert(cfg)
         self.index, self.rope = index, rope
-        self.sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
-        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.heads = self.und.heads
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, route: Routing,
                 gather: Callable | None = None) -> torch.Tensor:
@@ -112,7 +112,7 @@ class MoTLayer(nn.Module):
         sequence-parallel pass: the rows here are one rank's share; the cache takes all)."""
         n, (hq, hkv, d), ops = x.shape[0], self.heads, ctx.ops
         h = route.apply(x, lambda t: self.und.qkv(t, ops), lambda t: self.gen.qkv(t, ops))
-        q, k, v = h.split(self.sizes, dim=-1)
+        q, k, v = h.split(self.und.sizes, dim=-1)
         q, k = ops.rope(self.rope, q.reshape(n, hq, d), k.reshape(n, hkv, d), positions)
         if getattr(ctx.backend, "fuses_rope_store", False):
             raise ValueError(f"attention backend '{ctx.backend.name}' applies RoPE itself; BAGEL's QK-norm comes first")

@@ -64,6 +64,8 @@ from mstar.services.engines.sequence import Sequence as Seq
 log = logging.getLogger(__name__)
 #: EngineConfig.fused_sampler -> Sampler(fused=...)
 FUSED_SAMPLER = {"auto": None, "on": True, "off": False}
+#: EngineConfig.prefill_attention's values (FlashInfer's prefill backends)
+PREFILL_ATTENTION = ("fa2", "fa3", "auto")
 __all__ = ["EngineConfig", "EngineStats", "ForwardItem", "KVCacheEngine", "StepFailed"]
 
 
@@ -115,8 +117,9 @@ class EngineConfig:
     proj_gemm: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.prefill_attention not in ("fa2", "fa3", "auto"):
-            raise ValueError(f"EngineConfig.prefill_attention: '{self.prefill_attention}' is not one of fa2, fa3, auto")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"EngineConfig.prefill_attention: '{self.prefill_attention}' is not one of "
+                             f"{', '.join(PREFILL_ATTENTION)}")
         if self.graph_attention not in GRAPH_ATTENTION:
             raise ValueError(f"EngineConfig.graph_attention: '{self.graph_attention}' is not one of "
                              f"{', '.join(GRAPH_ATTENTION)}")

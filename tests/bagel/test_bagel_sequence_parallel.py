@@ -42,6 +42,9 @@ def test_query_rows_attend_as_the_whole_pass():
         attn.plan(part)
         torch.testing.assert_close(attn.run(q[lo:hi], k, v), whole[lo:hi], rtol=0, atol=1e-6)
     assert batch.query_rows(6, 8).table.kv_lens == (6,)  # sequences without rows there drop out
+    for lo, hi in ((3, 3), (-1, 4), (10, 16)):
+        with pytest.raises(ValueError, match="outside the pass's 15"):
+            batch.query_rows(lo, hi)
     with pytest.raises(ValueError, match="non-causal"):
         AttentionBatch(qo, batch.table, batch.slots, causal=True).query_rows(0, 5)
 

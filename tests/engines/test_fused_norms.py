@@ -165,6 +165,8 @@ def test_fused_norms_are_refused_where_they_do_not_apply(tmp_path):
         EngineConfig(pdl="yes")
     with pytest.raises(ValueError, match="EngineConfig.proj_gemm: 'cutlass' is not one of auto, triton, cublas"):
         EngineConfig(proj_gemm="cutlass")
+    with pytest.raises(ValueError, match="EngineConfig.prefill_attention: 'fa4' is not one of fa2, fa3, auto"):
+        EngineConfig(prefill_attention="fa4")
     torch.manual_seed(0)
     tiny_hf_llama(attention_bias=True).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
