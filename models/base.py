@@ -261,6 +261,13 @@ class NodeContext:
     #: graph_walks serves some walks on each: e.g. prefill here, decode there); empty: unknown
     walks: frozenset[str] = frozenset()
 
+    @property
+    def compile(self) -> bool:
+        """``model_kwargs.compile``: run what the model offers under torch.compile; on by default on
+        a GPU, never on a CPU."""
+        flag = self.model_kwargs.get("compile")
+        return self.device.startswith("cuda") and (flag is None or bool(flag))
+
 
 @dataclass(frozen=True)
 class ModelApi:

@@ -121,3 +121,30 @@ def overlap(spans: list[tuple[float, float]], other: list[tuple[float, float]]) 
             tot += max(0.0, min(b, other[k][1]) - max(a, other[k][0]))
             k += 1
     return tot
+
+
+def profile_parts(folder: str, parts: dict[str, Callable[[], object]], device: str, reps: int = 3) -> None:
+    """Each part's kernels over ``reps`` runs (after one unprofiled run): a table by CUDA time, and
+    the kernel count per run, to ``folder/<part>.txt``."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    cuda = device.startswith("cuda")
+    for name, fn in parts.items():
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(reps):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=40, max_name_column_width=90)
+        gpu_us = sum(e.device_time for e in kernels) / reps
+        with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+            f.write(f"{name}: {len(kernels) / reps:.0f} kernels and {gpu_us:.0f} us of kernel time a run ({reps} runs)\n\n{table}\n")

@@ -25,8 +25,10 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,9 @@ from mstar.models.pi05.nodes import IMAGE_BUCKETS, encode_present, prefix_graphs
 from mstar.models.pi05.policy import Pi05, pixels_from_uint8
 from mstar.models.pi05.weights import random_policy
 from mstar.services.engines.loop_graph import LoopGraphs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
+from gpu_timing import profile_parts  # noqa: E402  (the engine benchmarks' timing helpers)
 
 
 def sync(device: str) -> None:
@@ -218,30 +223,6 @@ def kv_of(cache, i: int):
     if hasattr(cache, "key_cache"):
         return cache.key_cache[i], cache.value_cache[i]
     return cache[i][0], cache[i][1]
-
-
-def profile_parts(folder: str, parts: dict[str, Callable[[], object]], device: str, reps: int = 3) -> None:
-    """Each part's kernels over ``reps`` runs (after one unprofiled run): a table by CUDA time, and
-    the kernel count per run, to ``folder/<part>.txt``."""
-    import os
-
-    from torch.profiler import ProfilerActivity, profile
-
-    os.makedirs(folder, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    for name, fn in parts.items():
-        fn()
-        sync(device)
-        with profile(activities=activities) as prof:
-            for _ in range(reps):
-                fn()
-            sync(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        table = prof.key_averages().table(sort_by="self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total",
-                                          row_limit=40, max_name_column_width=90)
-        gpu_us = sum(e.device_time for e in kernels) / reps
-        with open(os.path.join(folder, f"{name}.txt"), "w") as f:
-            f.write(f"{name}: {len(kernels) / reps:.0f} kernels and {gpu_us:.0f} us of kernel time a run ({reps} runs)\n\n{table}\n")
 
 
 def main() -> None:

@@ -22,11 +22,16 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
+from gpu_timing import profile_parts  # noqa: E402  (the engine benchmarks' timing helpers)
 
 
 def sync(device: str) -> None:
@@ -103,29 +108,52 @@ def bench_encoder(args, dtype, peak) -> dict:
     out = {"config": asdict(cfg), "frames": args.frames, "crop": args.crop, "flops_per_clip": encoder_flops(cfg, args.frames, args.crop),
            "batches": []}
     tokens = (args.frames // cfg.tubelet) * (args.crop // cfg.patch) ** 2
+    from mstar.models.vjepa2.modules import attention_kernel, compile_blocks, sdpa
+
+    kernels = {spec: attention_kernel(None if spec == "sdpa" else spec, args.device) for spec in
+               {v.split("/", 1)[1] for v in args.encoder_variants}}
     for B in args.encoder_batches:
         video = torch.randn(B, args.frames, 3, args.crop, args.crop, device=args.device, dtype=dtype)
+        pixels = video.transpose(1, 2)
         with torch.inference_mode():
-            ours = enc(video.transpose(1, 2))
             theirs = hf(pixel_values_videos=video, skip_predictor=True).last_hidden_state
-            diff = (ours.float() - theirs.float()).abs().max().item()
             t_hf = timed(partial(hf, pixel_values_videos=video, skip_predictor=True), args.device, args.iters)
-            by_backend = {}
-            for order in args.attention:  # "default": torch's choice; else e.g. "cudnn,flash"
-                enc.sdpa = None if order == "default" else tuple(order.split(","))
-                by_backend[order] = timed(partial(enc, video.transpose(1, 2)), args.device, args.iters)
-            enc.sdpa = None
-        best = min(by_backend, key=by_backend.get)
-        t_ours = by_backend[best]
+            by_variant, diffs = {}, {}
+            for variant in args.encoder_variants:  # "<eager|compiled|inductor>/<attention>"
+                mode, spec = variant.split("/", 1)  # compiled: the RoPE by rope_triton; inductor: by torch.compile
+                compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=mode == "compiled")
+                enc.attend = kernels[spec]
+                diffs[variant] = (enc(pixels).float() - theirs.float()).abs().max().item()  # compiles on the first call
+                by_variant[variant] = timed(partial(enc, pixels), args.device, args.iters)
+            attn = {spec: timed(partial(k, *(torch.randn(B, tokens, cfg.heads, cfg.dim // cfg.heads, device=args.device, dtype=dtype)
+                                             for _ in range(3))), args.device, args.iters)
+                    for spec, k in kernels.items()}
+            compile_blocks(enc, None)
+            enc.attend = sdpa
+        best = min(by_variant, key=by_variant.get)
+        t_ours = by_variant[best]
         floor = out["flops_per_clip"] * B / (peak * 1e12)
-        row = {"batch": B, "ours_s": t_ours, "ours_attention": best, "ours_s_by_attention": by_backend,
-               "transformers_s": t_hf, "speedup": t_hf / t_ours,
+        attn_flops = 4 * B * tokens * tokens * cfg.dim
+        if args.profile and B == args.encoder_batches[0]:
+            mode, spec = best.split("/", 1)
+            compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=mode == "compiled")
+            enc.attend = kernels[spec]
+            with torch.inference_mode():
+                profile_parts(args.profile, {f"encoder_b{B}": partial(enc, pixels)}, args.device)
+            compile_blocks(enc, None)
+            enc.attend = sdpa
+        row = {"batch": B, "ours_s": t_ours, "ours_variant": best, "ours_s_by_variant": by_variant,
+               "max_abs_diff_by_variant": diffs, "transformers_s": t_hf, "speedup": t_hf / t_ours,
                "ours_clips_per_s": B / t_ours, "transformers_clips_per_s": B / t_hf,
                "ours_tokens_per_s": B * tokens / t_ours, "transformers_tokens_per_s": B * tokens / t_hf,
-               "flop_floor_s": floor, "ours_over_floor": t_ours / floor, "max_abs_diff_vs_transformers": diff}
+               "flop_floor_s": floor, "ours_over_floor": t_ours / floor,
+               "attention_alone_s": attn, "attention_alone_tflops": {k: attn_flops / v / 1e12 for k, v in attn.items()},
+               "attention_share_of_flops": cfg.depth * attn_flops / (out["flops_per_clip"] * B)}
         out["batches"].append(row)
-        print(f"encoder B={B}: ours {B / t_ours:.2f} clips/s, transformers {B / t_hf:.2f} clips/s "
-              f"(x{t_hf / t_ours:.2f}); {t_ours / floor:.2f}x the FLOP floor; max |diff| {diff:.3g}", flush=True)
+        print(f"encoder B={B}: ours {B / t_ours:.2f} clips/s ({best}), transformers {B / t_hf:.2f} clips/s "
+              f"(x{t_hf / t_ours:.2f}); {t_ours / floor:.2f}x the FLOP floor; max |diff| {diffs[best]:.3g}; "
+              f"by variant (ms) {({k: round(v * 1e3, 2) for k, v in by_variant.items()})}; attention alone (TFLOP/s) "
+              f"{({k: round(v, 1) for k, v in row['attention_alone_tflops'].items()})}", flush=True)
     del hf, enc
     return out
 
@@ -207,6 +235,7 @@ def bench_rollout(args, dtype, peak) -> dict:
 
 def bench_plan(args, dtype, peak) -> dict:
     from mstar.models.vjepa2 import cem, rollout
+    from mstar.models.vjepa2.modules import compile_blocks
     from mstar.services.engines.loop_graph import LoopGraphs
 
     pred, enc, ac = ac_model(args, dtype)
@@ -218,24 +247,34 @@ def bench_plan(args, dtype, peak) -> dict:
     state = (torch.randn(1, 7, generator=g) * 0.3).to(args.device)
     rows = min(cfg.samples, chunk_rows(args, pred, cfg.rollout))
     graphs = args.device.startswith("cuda") and not args.no_graphs
-    loops = LoopGraphs(rollout.RolloutBody(pred, cfg.rollout), cfg.rollout, ("frame", "pose"), args.device,
-                       buckets=(rows,) if graphs else (), name="plan")
-
-    def world_model(actions):
-        return torch.cat([loops.run({"frame": context.expand(len(a), -1, -1), "pose": state.expand(len(a), -1),
-                                     "actions": a})["frame"] for a in actions.split(rows)])
-
-    def plan():
-        return cem.plan(cfg, world_model, goal, generator=torch.Generator().manual_seed(3))
-
-    with torch.inference_mode():
-        t = timed(plan, args.device, iters=max(1, args.iters // 2), warmup=1)  # the warm-up captures the graphs
     flops = cfg.cem_steps * cfg.samples * sum(ac_step_flops(ac, enc, i) for i in range(cfg.rollout))
     floor = flops / (peak * 1e12)
-    print(f"plan at the defaults: {t:.3f} s, {flops / 1e12:.1f} TFLOP, floor {floor:.3f} s ({t / floor:.2f}x); "
-          f"graphs {loops.stats}", flush=True)
-    return {"cem": asdict(cfg), "seconds": t, "flops": flops, "floor_s": floor, "over_floor": t / floor,
-            "cuda_graphs": graphs, "rows_per_graph": rows, "graph_stats": asdict(loops.stats)}
+    out = {"cem": asdict(cfg), "flops": flops, "floor_s": floor, "cuda_graphs": graphs, "rows_per_graph": rows,
+           "variants": {}}
+    for variant in args.plan_variants:  # eager | compiled | inductor: the predictor's blocks (as the encoder's)
+        compile_blocks(pred, None if variant == "eager" else "inductor", fused_rope=variant == "compiled")
+        loops = LoopGraphs(rollout.RolloutBody(pred, cfg.rollout), cfg.rollout, ("frame", "pose"), args.device,
+                           buckets=(rows,) if graphs else (), name="plan")
+
+        def world_model(actions, loops=loops):
+            return torch.cat([loops.run({"frame": context.expand(len(a), -1, -1), "pose": state.expand(len(a), -1),
+                                         "actions": a})["frame"] for a in actions.split(rows)])
+
+        def plan(world_model=world_model):
+            return cem.plan(cfg, world_model, goal, generator=torch.Generator().manual_seed(3))
+
+        with torch.inference_mode():
+            t = timed(plan, args.device, iters=max(1, args.iters // 2), warmup=1)  # the warm-up captures the graphs
+            if args.profile and variant == args.plan_variants[-1]:
+                profile_parts(args.profile, {f"plan_{variant}": plan}, args.device, reps=1)
+        out["variants"][variant] = {"seconds": t, "over_floor": t / floor, "graph_stats": asdict(loops.stats)}
+        print(f"plan at the defaults ({variant}): {t:.3f} s, {flops / 1e12:.1f} TFLOP, floor {floor:.3f} s "
+              f"({t / floor:.2f}x); graphs {loops.stats}", flush=True)
+        del loops
+    compile_blocks(pred, None)
+    best = min(out["variants"], key=lambda v: out["variants"][v]["seconds"])
+    out.update(best=best, seconds=out["variants"][best]["seconds"], over_floor=out["variants"][best]["over_floor"])
+    return out
 
 
 def main(argv=None) -> None:
@@ -256,14 +295,19 @@ def main(argv=None) -> None:
     p.add_argument("--recompute-sample", type=int, default=0,
                    help="time the recompute loop on this many rows and scale to the batch (0: all rows)")
     p.add_argument("--no-graphs", action="store_true")
-    p.add_argument("--attention", nargs="+", default=["default", "cudnn,flash,efficient"],
-                   help="SDPA kernel orders to time our encoder with (the best is reported)")
+    p.add_argument("--plan-variants", nargs="+", default=["eager", "inductor", "compiled"],
+                   help="the predictor's blocks in the plan (as --encoder-variants)")
+    p.add_argument("--encoder-variants", nargs="+",
+                   default=["eager/sdpa", "inductor/sdpa", "compiled/sdpa", "compiled/fa3"],
+                   help="<eager|compiled|inductor>/<attention knob> runs of our encoder to time (the best is "
+                        "reported); compiled: torch.compile'd halves with rope_triton's RoPE, inductor: all compiled")
+    p.add_argument("--profile", metavar="DIR", help="also write the best encoder variant's kernel table (B = first)")
     args = p.parse_args(argv)
     if args.tiny:
         args.frames, args.crop = min(args.frames, 4), min(args.crop, 32)
         args.encoder_batches, args.rollout_batches = [1, 2], [4, 8]
         args.horizons, args.iters, args.recompute_rows = [2, 4], min(args.iters, 2), 4
-        args.attention = ["default", "math"]
+        args.encoder_variants = ["eager/sdpa", "eager/sdpa:math"]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     peak = peak_tflops(args.device, dtype)
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",

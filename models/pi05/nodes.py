@@ -34,13 +34,6 @@ def node_dtype(ctx: NodeContext) -> torch.dtype:
     return DTYPES[name]
 
 
-def use_compile(ctx: NodeContext) -> bool:
-    """``model_kwargs.compile``: torch.compile inside the CUDA graphs; on by default on a GPU (eager, the
-    graphs replay ~1000 small unfused kernels a pass), never on a CPU."""
-    flag = ctx.model_kwargs.get("compile")
-    return ctx.device.startswith("cuda") and (flag is None or bool(flag))
-
-
 def vision_graphs(tower: VisionTower, device: str, buckets=IMAGE_BUCKETS, compiled: bool = False) -> LoopGraphs:
     """uint8 images [N, 3, S, S] -> image tokens [N, T, W]; one CUDA graph per bucket of N on a GPU
     (eager on a CPU), the tower under torch.compile inside it with ``compiled``."""
@@ -88,7 +81,7 @@ class VisionNode(NodeSubmodule):
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
         self.device, self.dtype, self.cfg = ctx.device, node_dtype(ctx), cfg
         self.tower = load_module(VisionTower, cfg, weights, ctx.device, self.dtype)
-        self.graphs = vision_graphs(self.tower, ctx.device, compiled=use_compile(ctx))
+        self.graphs = vision_graphs(self.tower, ctx.device, compiled=ctx.compile)
         s = cfg.vision.image_size  # every bucket compiled and captured before serving
         self.graphs.warm({"images": torch.zeros(3, s, s, dtype=torch.uint8, device=ctx.device)})
 
@@ -107,7 +100,7 @@ class PrefixNode(NodeSubmodule):
         self.device = ctx.device
         dtype = node_dtype(ctx)
         self.lm = load_module(PrefixLM, cfg, weights, ctx.device, dtype)
-        self.graphs = prefix_graphs(self.lm, ctx.device, compiled=use_compile(ctx))
+        self.graphs = prefix_graphs(self.lm, ctx.device, compiled=ctx.compile)
         cams, n, dev = len(cfg.cameras), cfg.max_token_len, ctx.device  # every bucket made before serving
         self.graphs.warm({"image_tokens": torch.zeros(cams * cfg.vision.tokens, cfg.prefix.width, dtype=dtype, device=dev),
                           "image_mask": torch.ones(cams, dtype=torch.bool, device=dev),
@@ -125,7 +118,7 @@ class ActionNode(LoopBodyNode):
     def __init__(self, cfg: Pi05Config, weights: Path, ctx: NodeContext):
         self.device, self.cfg, self.dtype = ctx.device, cfg, node_dtype(ctx)
         self.expert = load_module(ActionExpert, cfg, weights, ctx.device, self.dtype)
-        if use_compile(ctx):  # the step under torch.compile, inside the loop's CUDA graph
+        if ctx.compile:  # the step under torch.compile, inside the loop's CUDA graph
             self.expert.compile()
 
     def example_inputs(self) -> dict[str, torch.Tensor]:

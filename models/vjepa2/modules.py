@@ -2,13 +2,17 @@
 predictor. Parameter names follow the official ``.pt`` layout (fused ``qkv``), so those
 checkpoints load as they are (after prefix clean-up); ``weights.py`` maps the Hugging Face one.
 
-All blocks are pre-LayerNorm ViT blocks: fused qkv (with bias) -> 3-D RoPE -> SDPA -> proj, and
-an exact-erf GELU MLP.
+All blocks are pre-LayerNorm ViT blocks: fused qkv (with bias) -> 3-D RoPE -> attention -> proj,
+and an exact-erf GELU MLP. Tensors between a block's halves are token-major (``[B, N, heads,
+head_dim]``): FlashInfer takes them as they are, SDPA through transposed views.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,45 +24,63 @@ from mstar.models.vjepa2.config import ACConfig, EncoderConfig, PredictorConfig
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+#: FlashInfer's kernels for an encoder's attention (``attention_kernel``)
+FLASHINFER = ("fa3", "fa2")
+#: Dynamo's entries per compiled function (``compile_blocks``): its default, 8, is less than one
+#: deployment needs (two encoders, two predictors, each at batch 1 and past it), and past it dynamo
+#: would run the blocks eagerly with only a warning.
+RECOMPILE_LIMIT = 64
+
+#: q, k, v ``[B, N, heads, head_dim]`` (q and k rotated) -> ``[B, N, heads, head_dim]``
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def sdpa_order(names: tuple[str, ...] | None):
     """SDPA kernels tried in this order (the first that takes the inputs runs); None: torch's
-    choice. cuDNN's attention can beat FlashAttention-2 on Hopper; measure before choosing."""
+    choice."""
     if not names:
         return contextlib.nullcontext()
     return sdpa_kernel([SDPA_BACKENDS[n] for n in names], set_priority=True)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``Attend`` by torch's SDPA (token-major in and out: the heads' transposes are views)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask).transpose(1, 2)
+
+
+def attention_kernel(spec: str | None, device: torch.device | str) -> Attend:
+    """An encoder's attention (no mask: every token sees every token) from the ``attention`` knob:
+    None or ``sdpa``: torch's SDPA, its own kernel choice; ``sdpa:cudnn,flash``: SDPA trying those
+    kernels in that order; ``fa3`` / ``fa2``: FlashInfer's ragged prefill kernels (CUDA only)."""
+    if spec is None or spec == "sdpa":
+        return sdpa
+    if spec.startswith("sdpa:"):
+        order = tuple(spec[5:].split(","))
+        unknown = [n for n in order if n not in SDPA_BACKENDS]
+        if unknown or not order:
+            raise ValueError(f"attention {spec!r}: SDPA kernels are {', '.join(SDPA_BACKENDS)}")
+
+        def ordered(q, k, v):
+            with sdpa_order(order):
+                return sdpa(q, k, v)
+        return ordered
+    if spec in FLASHINFER:
+        from mstar.services.engines.attn_flashinfer import DenseAttention
+
+        return DenseAttention(torch.device(device), backend=spec)
+    raise ValueError(f"attention must be sdpa, sdpa:<kernels> or one of {', '.join(FLASHINFER)}, got {spec!r}")
+
+
 class Attention(nn.Module):
+    """The block's projections (the official checkpoints' ``attn.qkv`` / ``attn.proj``); the
+    attention itself is the network's ``Attend``."""
+
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> torch.Tensor:
-        """``cache``: per segment of the batch's rows (in order), that layer's K / V buffers
-        ``[rows, heads, capacity, head_dim]`` and where the new tokens go: their K/V are written at
-        ``[start, start + N)`` and their queries attend to everything before ``start + N`` (a
-        rollout step: earlier frames' K/V never change). Several segments are several rollouts
-        at different frames in one batch: one projection for all, attention per segment."""
-        B, N, C = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            outs, row = [], 0
-            for kc, vc, start in cache:
-                rows = slice(row, row + kc.shape[0])
-                row += kc.shape[0]
-                kc[:, :, start:start + N] = k[rows]
-                vc[:, :, start:start + N] = v[rows]
-                outs.append(F.scaled_dot_product_attention(q[rows], kc[:, :, :start + N], vc[:, :, :start + N]))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.proj(out.transpose(1, 2).reshape(B, N, C))
 
 
 class MLP(nn.Module):
@@ -71,6 +93,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-LayerNorm block in two halves around its attention: ``_project`` (norm, qkv, RoPE) and
+    ``_finish`` (proj, residual, norm, MLP, residual). Under ``compile_blocks`` each half is one
+    torch.compile'd function shared by every block of that shape (its elementwise chains fused:
+    eagerly the RoPE alone is ~10 passes over q and k)."""
+
+    #: torch.compile's backend for the halves (``compile_blocks``); None: eager
+    compiled: Any = None
+    #: compiled, on CUDA: the first half as LayerNorm, the qkv GEMM and ``rope_triton.qkv_rope``
+    fused_rope = True
+
     def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
@@ -78,26 +110,95 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, mlp_dim)
 
-    def forward(self, x, cos, sin, mask=None, cache=None):
-        x = x + self.attn(self.norm1(x), cos, sin, mask, cache)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = sdpa) -> torch.Tensor:
+        project, finish = _halves(self.compiled)
+        if self.compiled is not None:
+            if x._base is not None:  # dynamo guards a view's base: views and the rest would be two entries
+                x = x.clone()
+            if self.fused_rope and x.is_cuda:
+                project = _project_fused
+        n1, n2, a, m = self.norm1, self.norm2, self.attn, self.mlp
+        q, k, v = project(x, cos, sin, n1.weight, n1.bias, n1.eps, a.qkv.weight, a.qkv.bias, a.heads)
+        return finish(x, attend(q, k, v), a.proj.weight, a.proj.bias, n2.weight, n2.bias, n2.eps,
+                      m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias)
+
+
+# The halves take the block's tensors as arguments (not the module): one compiled function then
+# serves every block of a shape, whatever torch version's guards make of module attributes.
+
+def _project(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int):
+    """x ``[B, N, dim]`` -> q, k, v ``[B, N, heads, head_dim]``; ``cos`` / ``sin`` broadcast
+    against them (``[N, 1, head_dim]``, or ``[B, N, 1, head_dim]`` for per-row positions)."""
+    B, N, C = x.shape
+    h = F.layer_norm(x, (C,), norm_w, norm_b, eps)
+    q, k, v = F.linear(h, qkv_w, qkv_b).view(B, N, 3, heads, C // heads).unbind(2)
+    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v.contiguous()
+
+
+def _project_fused(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int):
+    from mstar.models.vjepa2.rope_triton import qkv_rope
+
+    qkv = F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), qkv_w, qkv_b)
+    return qkv_rope(qkv, cos, sin, heads)
+
+
+def _finish(x, attended, proj_w, proj_b, norm_w, norm_b, eps: float, fc1_w, fc1_b, fc2_w, fc2_b):
+    x = x + F.linear(attended.flatten(2), proj_w, proj_b)
+    h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps)
+    return x + F.linear(F.gelu(F.linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
+
+
+_COMPILED: dict[Any, tuple[Callable, Callable]] = {}
+
+
+def _halves(backend: Any) -> tuple[Callable, Callable]:
+    if backend is None:
+        return _project, _finish
+    if backend not in _COMPILED:
+        import torch._dynamo.config as dynamo
+
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        # batch and token counts symbolic from the first call: a new batch size or clip length
+        # reuses the kernels instead of compiling again
+        _COMPILED[backend] = tuple(torch.compile(f, backend=backend, dynamic=True, fullgraph=True)  # type: ignore[assignment]
+                                   for f in (_project, _finish))
+    return _COMPILED[backend]
+
+
+def compile_blocks(net: nn.Module, backend: Any = "inductor", fused_rope: bool = True) -> None:
+    """Run ``net``'s blocks' halves under torch.compile with ``backend`` (None: eagerly again); the
+    attention between them stays the network's kernel. ``fused_rope``: on CUDA the first half is
+    LayerNorm, GEMM and ``rope_triton.qkv_rope`` instead."""
+    for m in net.modules():
+        if isinstance(m, Block):
+            m.compiled, m.fused_rope = backend, fused_rope
 
 
 class PatchEmbed(nn.Module):
+    """The checkpoints' Conv3d (kernel = stride = tubelet x patch x patch), run as one GEMM over the
+    patches: cuDNN's bf16 Conv3d took 1.0 ms of a 28 ms ViT-L clip on an H200 for 26 GFLOP."""
+
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         k = (cfg.tubelet, cfg.patch, cfg.patch)
         self.proj = nn.Conv3d(cfg.in_chans, cfg.dim, kernel_size=k, stride=k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
+        """``[B, C, T, H, W]`` -> ``[B, T/t * H/p * W/p, dim]`` (a remainder past whole patches
+        dropped, as the convolution drops it)."""
+        B, C, T, H, W = x.shape
+        t, p, _ = self.proj.kernel_size
+        x = x[:, :, :T - T % t, :H - H % p, :W - W % p]
+        x = x.reshape(B, C, T // t, t, H // p, p, W // p, p).permute(0, 2, 4, 6, 1, 3, 5, 7)
+        patches = x.reshape(B, (T // t) * (H // p) * (W // p), C * t * p * p)
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
 
 class Encoder(nn.Module):
     """Pixels ``[B, C, T, H, W]`` (normalised) -> ``[B, T/tubelet * H/patch * W/patch, dim]``."""
 
-    #: SDPA kernel order (``sdpa_order``), None: torch's choice
-    sdpa: tuple[str, ...] | None = None
+    #: the attention between the blocks' halves (``attention_kernel``)
+    attend: Attend = staticmethod(sdpa)
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
@@ -114,10 +215,9 @@ class Encoder(nn.Module):
         t, h, w = pixels.shape[2] // cfg.tubelet, pixels.shape[3] // cfg.patch, pixels.shape[4] // cfg.patch
         ids = torch.arange(t * h * w, device=x.device)
         cos, sin = rope.tables(cfg.dim // cfg.heads, *rope.grid_positions(ids, h, w))
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        with sdpa_order(self.sdpa):
-            for blk in self.blocks:
-                x = blk(x, cos, sin)
+        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # [N, 1, hd]
+        for blk in self.blocks:
+            x = blk(x, cos, sin, self.attend)
         return self.norm(x)
 
 
@@ -148,7 +248,7 @@ class MaskedPredictor(nn.Module):
         x = torch.gather(x, 1, order.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         h, w = grid or (self.enc.grid, self.enc.grid)
         cos, sin = rope.tables(self.cfg.dim // self.cfg.heads, *rope.grid_positions(ids, h, w))
-        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # [B, 1, N, hd]: per row
+        cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)  # [B, N, 1, hd]: per row
         for blk in self.predictor_blocks:
             x = blk(x, cos, sin)
         x = self.predictor_norm(x)
@@ -178,8 +278,6 @@ class ACPredictor(nn.Module):
     frame tokens get RoPE (frame index, row, column), action and state tokens the frame index in
     the depth chunk only. Outputs the frame tokens, normed, projected back to the encoder width."""
 
-    sdpa: tuple[str, ...] | None = None  # as Encoder.sdpa
-
     def __init__(self, cfg: ACConfig, enc: EncoderConfig, use_extrinsics: bool = True):
         super().__init__()
         self.cfg, self.enc = cfg, enc
@@ -198,7 +296,7 @@ class ACPredictor(nn.Module):
         return self.cfg.cond_tokens + self.enc.tokens_per_tubelet
 
     def frame_tables(self, t: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) ``[tokens_per_frame, head_dim]`` for frame ``t`` (cached: a rollout step
+        """(cos, sin) ``[tokens_per_frame, 1, head_dim]`` for frame ``t`` (cached: a rollout step
         builds nothing on the host but the first time)."""
         key = (t, dtype, str(device))
         got = self._tables.get(key)
@@ -209,7 +307,7 @@ class ACPredictor(nn.Module):
             depth = torch.full((g * g,), float(t), device=device)
             cf, sf = rope.tables(hd, depth, rows, cols)
             cc, sc = rope.tables(hd, torch.full((self.cfg.cond_tokens,), float(t), device=device), None, None)
-            got = self._tables[key] = (torch.cat([cc, cf]).to(dtype), torch.cat([sc, sf]).to(dtype))
+            got = self._tables[key] = (torch.cat([cc, cf]).unsqueeze(1).to(dtype), torch.cat([sc, sf]).unsqueeze(1).to(dtype))
         return got
 
     def _tokens(self, frames: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -234,7 +332,7 @@ class ACPredictor(nn.Module):
         frame_of = torch.arange(T * F_, device=x.device) // F_
         mask = frame_of.unsqueeze(1) >= frame_of.unsqueeze(0)  # block-causal by frame
         for blk in self.predictor_blocks:
-            x = blk(x, cos, sin, mask)
+            x = blk(x, cos, sin, partial(sdpa, mask=mask))
         return self._out(x.view(B, T, F_, -1)).flatten(1, 2)
 
     def new_cache(self, rows: int, frames: int, dtype=None, device=None) -> KVCache:
@@ -258,11 +356,29 @@ class ACPredictor(nn.Module):
         tabs = [self.frame_tables(t, x.dtype, x.device) for _, t in segments]
         if len(segments) == 1:
             cos, sin = tabs[0]
-        else:  # [rows, 1, F, hd]: each row its rollout's frame index
+        else:  # [rows, F, 1, hd]: each row its rollout's frame index
             rows = [c.buf.shape[2] for c, _ in segments]
-            cos = torch.cat([c.expand(r, -1, -1) for (c, _), r in zip(tabs, rows, strict=True)]).unsqueeze(1)
-            sin = torch.cat([s.expand(r, -1, -1) for (_, s), r in zip(tabs, rows, strict=True)]).unsqueeze(1)
-        with sdpa_order(self.sdpa):
-            for i, blk in enumerate(self.predictor_blocks):
-                x = blk(x, cos, sin, cache=[(*c.layer(i), t * c.tokens_per_frame) for c, t in segments])
+            cos = torch.cat([c.expand(r, -1, -1, -1) for (c, _), r in zip(tabs, rows, strict=True)])
+            sin = torch.cat([s.expand(r, -1, -1, -1) for (_, s), r in zip(tabs, rows, strict=True)])
+        for i, blk in enumerate(self.predictor_blocks):
+            x = blk(x, cos, sin, partial(cached_attend, [(*c.layer(i), t * c.tokens_per_frame) for c, t in segments]))
         return self._out(x)
+
+
+def cached_attend(segments: list[tuple[torch.Tensor, torch.Tensor, int]], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+    """``Attend`` through per-rollout K/V caches. ``segments``: per segment of the batch's rows (in
+    order), that layer's K / V buffers ``[rows, heads, capacity, head_dim]`` and where the new
+    tokens go: their K/V are written at ``[start, start + N)`` and their queries attend to
+    everything before ``start + N`` (a rollout step: earlier frames' K/V never change). Several
+    segments are several rollouts at different frames in one batch: attention per segment."""
+    N = q.shape[1]
+    outs, row = [], 0
+    for kc, vc, start in segments:
+        rows = slice(row, row + kc.shape[0])
+        row += kc.shape[0]
+        kc[:, :, start:start + N] = k[rows].transpose(1, 2)
+        vc[:, :, start:start + N] = v[rows].transpose(1, 2)
+        outs.append(F.scaled_dot_product_attention(q[rows].transpose(1, 2), kc[:, :, :start + N],
+                                                   vc[:, :, :start + N]).transpose(1, 2))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -16,7 +16,13 @@ import torch
 
 from mstar.models.base import NodeCall, NodeContext, NodeSubmodule
 from mstar.models.vjepa2 import cem, media, rollout, weights
-from mstar.models.vjepa2.modules import ACPredictor, Encoder, MaskedPredictor
+from mstar.models.vjepa2.modules import (
+    ACPredictor,
+    Encoder,
+    MaskedPredictor,
+    attention_kernel,
+    compile_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +48,12 @@ class Weights:
         if key not in cls._cache:
             path = weights.resolve(name, ctx.cache_dir)
             mods = cls._cache[key] = weights.build(weights.read(path), ctx.device, dtype_of(ctx.model_kwargs, ctx.device))
-            order = ctx.model_kwargs.get("attention")  # e.g. "cudnn,flash,efficient"
-            for m in (mods[0], mods[2]):
-                if m is not None and order:
-                    m.sdpa = tuple(order.split(","))
+            if mods[0] is not None:
+                mods[0].attend = attention_kernel(ctx.model_kwargs.get("attention"), ctx.device)
+            if ctx.compile:  # the blocks' halves
+                for m in mods:
+                    if m is not None:
+                        compile_blocks(m)
             log.info("vjepa2: loaded %s on %s", path, ctx.device)
         return cls._cache[key]
 

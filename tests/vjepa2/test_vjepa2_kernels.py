@@ -1,0 +1,101 @@
+"""How the blocks run: their halves under torch.compile (traced whole, compiled once for every
+block of a network and every batch size past one), the Triton kernel that splits and rotates q / k / v
+(under the interpreter on a CPU), and the ``attention`` knob's kernels. The
+compiled runs here use dynamo with the eager backend (the same ops, so the same numbers): what
+inductor makes of them is measured on a GPU by ``bench/vjepa2/bench_vjepa2.py``."""
+
+import os
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: rope_triton runs in numpy
+
+from mstar.models.vjepa2 import rope, weights
+from mstar.models.vjepa2.knobs import VJepa2Settings
+from mstar.models.vjepa2.modules import attention_kernel, compile_blocks, sdpa
+
+
+@pytest.fixture(scope="module")
+def nets(hf_model):
+    enc, pred, _ = weights.build(weights.read(hf_model[1]))
+    return enc, pred
+
+
+def test_compiled_halves_trace_once_for_every_block(nets):
+    enc, pred = nets
+    g = torch.Generator().manual_seed(0)
+    clips = [torch.randn(b, 3, 4, 16, 16, generator=g) for b in (2, 3, 5)]
+    ids = torch.arange(32).repeat(2, 1)
+    with torch.no_grad():
+        want = [enc(c) for c in clips]
+        want_pred = pred(want[0], ids, ids)
+    counter = CompileCounter()
+    try:
+        compile_blocks(enc, counter)
+        compile_blocks(pred, counter)
+        with torch.no_grad():
+            got = [enc(c) for c in clips]
+            assert counter.frame_count == 2  # project and finish, for both blocks and every batch size
+            got_pred = pred(got[0], ids, ids)  # per-row RoPE tables: one more entry per half
+            assert counter.frame_count == 4
+    finally:
+        compile_blocks(enc, None)
+        compile_blocks(pred, None)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_pred, want_pred, atol=1e-6, rtol=0)
+
+
+def test_attention_kernels(nets):
+    enc, _ = nets
+    clip = torch.randn(2, 3, 4, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = enc(clip)
+        try:
+            enc.attend = attention_kernel("sdpa:math", "cpu")
+            torch.testing.assert_close(enc(clip), want, atol=1e-6, rtol=0)
+        finally:
+            enc.attend = sdpa
+    assert attention_kernel(None, "cpu") is sdpa and attention_kernel("sdpa", "cpu") is sdpa
+    with pytest.raises(ValueError, match="SDPA kernels are cudnn, flash"):
+        attention_kernel("sdpa:cudnn,fast", "cpu")
+    with pytest.raises(ValueError, match="attention must be sdpa"):
+        attention_kernel("fa4", "cpu")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        attention_kernel("fa3", "cpu")
+
+
+@pytest.mark.parametrize("spec,ok", [("sdpa", True), ("sdpa:cudnn,flash,efficient", True), ("fa3", True),
+                                     ("fa2", True), ("sdpa:", False), ("cudnn,flash", False), ("fa3 ", False)])
+def test_attention_knob(spec, ok):
+    if ok:
+        assert VJepa2Settings(attention=spec).attention == spec
+    else:
+        with pytest.raises(ValueError, match="attention"):
+            VJepa2Settings(attention=spec)
+
+
+@pytest.mark.parametrize("tables", ["shared", "per_row"])
+def test_qkv_rope_kernel_matches_the_expression(tables):
+    """One kernel for split + RoPE (GPU: rope_triton's reason) gives ``rope.apply`` on each part:
+    fp32 here, so only rounding order differs."""
+    pytest.importorskip("triton", reason="rope_triton needs the triton package")
+    from mstar.models.vjepa2.rope_triton import qkv_rope
+
+    B, N, H, hd = 2, 40, 3, 16
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, N, 3 * H * hd, generator=g)
+    if tables == "shared":
+        cos, sin = (t.unsqueeze(1) for t in rope.tables(hd, *rope.grid_positions(torch.arange(N), 4, 10)))
+    else:  # a table row per token (the masked predictor, several rollouts in one batch)
+        cos, sin = torch.randn(B, N, 1, hd, generator=g), torch.randn(B, N, 1, hd, generator=g)
+    q, k, v = qkv_rope(qkv, cos, sin, H)
+    want = qkv.view(B, N, 3, H, hd).unbind(2)
+    torch.testing.assert_close(q, rope.apply(want[0], cos, sin), atol=1e-5, rtol=0)
+    torch.testing.assert_close(k, rope.apply(want[1], cos, sin), atol=1e-5, rtol=0)
+    assert torch.equal(v, want[2])
+    with pytest.raises(ValueError, match="RoPE tables of 7 rows for 80 tokens"):
+        qkv_rope(qkv, cos.reshape(-1, hd)[:7], sin.reshape(-1, hd)[:7], H)
