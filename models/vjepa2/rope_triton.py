@@ -20,6 +20,13 @@ BLOCK_T, BLOCK_C = 32, 128
 
 
 @triton.jit
+def _rotate(src, dst, out, cos, sin, sign, c, mask):
+    x = tl.load(src + c, mask=mask, other=0.0).to(tl.float32)
+    pair = tl.load(src + (c ^ 1), mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + out, (x * cos + sign * pair * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qkv_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, R, C: tl.constexpr, HD: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
@@ -31,10 +38,8 @@ def _qkv_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, R, C: tl
     sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(tl.float32)
     sign = tl.where(c % 2 == 0, -1.0, 1.0)  # rotate_pairs: (x0, x1) -> (-x1, x0)
     out = t * C + c
-    for part, dst in ((0, q_ptr), (1, k_ptr)):
-        x = tl.load(row + part * C + c, mask=mask, other=0.0).to(tl.float32)
-        pair = tl.load(row + part * C + (c ^ 1), mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + out, (x * cos + sign * pair * sin).to(dst.dtype.element_ty), mask=mask)
+    _rotate(row, q_ptr, out, cos, sin, sign, c, mask)
+    _rotate(row + C, k_ptr, out, cos, sin, sign, c, mask)
     tl.store(v_ptr + out, tl.load(row + 2 * C + c, mask=mask), mask=mask)
 
 

@@ -5,6 +5,8 @@ compiled runs here use dynamo with the eager backend (the same ops, so the same 
 inductor makes of them is measured on a GPU by ``bench/vjepa2/bench_vjepa2.py``."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -99,3 +101,24 @@ def test_qkv_rope_kernel_matches_the_expression(tables):
     assert torch.equal(v, want[2])
     with pytest.raises(ValueError, match="RoPE tables of 7 rows for 80 tokens"):
         qkv_rope(qkv, cos.reshape(-1, hd)[:7], sin.reshape(-1, hd)[:7], H)
+
+
+def test_qkv_rope_kernel_compiles_for_hopper():
+    """The interpreter accepts Python the GPU compiler does not (a loop over a tuple of pointers
+    did): compile the kernel for sm_90, no GPU needed (Triton's bundled ptxas), in a process of its
+    own (this one may run the interpreter)."""
+    pytest.importorskip("triton", reason="rope_triton needs the triton package")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mstar.models.vjepa2.rope_triton import BLOCK_C, BLOCK_T, _qkv_rope_kernel
+sig = {**dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"), "T": "i32", "R": "i32",
+       **dict.fromkeys(("C", "HD", "BLOCK_T", "BLOCK_C"), "constexpr")}
+src = ASTSource(fn=_qkv_rope_kernel, signature=sig, constexprs={"C": 1408, "HD": 64, "BLOCK_T": BLOCK_T, "BLOCK_C": BLOCK_C})
+assert "st.global" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
