@@ -121,7 +121,7 @@ def bench_encoder(args, dtype, peak) -> dict:
             by_variant, diffs = {}, {}
             for variant in args.encoder_variants:  # "<eager|compiled|inductor>/<attention>"
                 mode, spec = variant.split("/", 1)  # compiled: the RoPE by rope_triton; inductor: by torch.compile
-                compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=mode == "compiled")
+                compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=None if mode == "compiled" else False)
                 enc.attend = kernels[spec]
                 diffs[variant] = (enc(pixels).float() - theirs.float()).abs().max().item()  # compiles on the first call
                 by_variant[variant] = timed(partial(enc, pixels), args.device, args.iters)
@@ -136,7 +136,7 @@ def bench_encoder(args, dtype, peak) -> dict:
         attn_flops = 4 * B * tokens * tokens * cfg.dim
         if args.profile and B == args.encoder_batches[0]:
             mode, spec = best.split("/", 1)
-            compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=mode == "compiled")
+            compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=None if mode == "compiled" else False)
             enc.attend = kernels[spec]
             with torch.inference_mode():
                 profile_parts(args.profile, {f"encoder_b{B}": partial(enc, pixels)}, args.device)
@@ -251,8 +251,10 @@ def bench_plan(args, dtype, peak) -> dict:
     floor = flops / (peak * 1e12)
     out = {"cem": asdict(cfg), "flops": flops, "floor_s": floor, "cuda_graphs": graphs, "rows_per_graph": rows,
            "variants": {}}
+    probe = (torch.randn(cfg.samples, cfg.rollout, 7, generator=g) * cfg.maxnorm).clamp(-cfg.maxnorm, cfg.maxnorm).to(args.device)
+    finals: dict[str, torch.Tensor] = {}
     for variant in args.plan_variants:  # eager | compiled | inductor: the predictor's blocks (as the encoder's)
-        compile_blocks(pred, None if variant == "eager" else "inductor", fused_rope=variant == "compiled")
+        compile_blocks(pred, None if variant == "eager" else "inductor", fused_rope=None if variant == "compiled" else False)
         loops = LoopGraphs(rollout.RolloutBody(pred, cfg.rollout), cfg.rollout, ("frame", "pose"), args.device,
                            buckets=(rows,) if graphs else (), name="plan")
 
@@ -265,11 +267,14 @@ def bench_plan(args, dtype, peak) -> dict:
 
         with torch.inference_mode():
             t = timed(plan, args.device, iters=max(1, args.iters // 2), warmup=1)  # the warm-up captures the graphs
+            finals[variant] = world_model(probe).float()  # one CEM batch of rollouts: the variants' numbers
             if args.profile and variant == args.plan_variants[-1]:
                 profile_parts(args.profile, {f"plan_{variant}": plan}, args.device, reps=1)
-        out["variants"][variant] = {"seconds": t, "over_floor": t / floor, "graph_stats": asdict(loops.stats)}
+        out["variants"][variant] = {"seconds": t, "over_floor": t / floor, "graph_stats": asdict(loops.stats),
+                                    "max_abs_diff_vs_first": (finals[variant] - finals[args.plan_variants[0]]).abs().max().item()}
         print(f"plan at the defaults ({variant}): {t:.3f} s, {flops / 1e12:.1f} TFLOP, floor {floor:.3f} s "
-              f"({t / floor:.2f}x); graphs {loops.stats}", flush=True)
+              f"({t / floor:.2f}x); graphs {loops.stats}; final frames vs {args.plan_variants[0]}: max |diff| "
+              f"{out['variants'][variant]['max_abs_diff_vs_first']:.3g}", flush=True)
         del loops
     compile_blocks(pred, None)
     best = min(out["variants"], key=lambda v: out["variants"][v]["seconds"])

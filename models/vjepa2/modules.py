@@ -100,8 +100,8 @@ class Block(nn.Module):
 
     #: torch.compile's backend for the halves (``compile_blocks``); None: eager
     compiled: Any = None
-    #: compiled, on CUDA: the first half as LayerNorm, the qkv GEMM and ``rope_triton.qkv_rope``
-    fused_rope = True
+    #: compiled: the first half as LayerNorm, the qkv GEMM and ``rope_triton.qkv_rope`` (None: on CUDA)
+    fused_rope: bool | None = None
 
     def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float):
         super().__init__()
@@ -115,8 +115,8 @@ class Block(nn.Module):
         if self.compiled is not None:
             if x._base is not None:  # dynamo guards a view's base: views and the rest would be two entries
                 x = x.clone()
-            if self.fused_rope and x.is_cuda:
-                project = _project_fused
+            if x.is_cuda if self.fused_rope is None else self.fused_rope:  # K/V straight to where attention keeps them
+                project = partial(_project_fused, kv_out=getattr(attend, "kv_out", None))
         n1, n2, a, m = self.norm1, self.norm2, self.attn, self.mlp
         q, k, v = project(x, cos, sin, n1.weight, n1.bias, n1.eps, a.qkv.weight, a.qkv.bias, a.heads)
         return finish(x, attend(q, k, v), a.proj.weight, a.proj.bias, n2.weight, n2.bias, n2.eps,
@@ -135,11 +135,11 @@ def _project(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int):
     return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v.contiguous()
 
 
-def _project_fused(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int):
+def _project_fused(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int, kv_out=None):
     from mstar.models.vjepa2.rope_triton import qkv_rope
 
     qkv = F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), qkv_w, qkv_b)
-    return qkv_rope(qkv, cos, sin, heads)
+    return qkv_rope(qkv, cos, sin, heads, kv_out)
 
 
 def _finish(x, attended, proj_w, proj_b, norm_w, norm_b, eps: float, fc1_w, fc1_b, fc2_w, fc2_b):
@@ -165,10 +165,10 @@ def _halves(backend: Any) -> tuple[Callable, Callable]:
     return _COMPILED[backend]
 
 
-def compile_blocks(net: nn.Module, backend: Any = "inductor", fused_rope: bool = True) -> None:
+def compile_blocks(net: nn.Module, backend: Any = "inductor", fused_rope: bool | None = None) -> None:
     """Run ``net``'s blocks' halves under torch.compile with ``backend`` (None: eagerly again); the
-    attention between them stays the network's kernel. ``fused_rope``: on CUDA the first half is
-    LayerNorm, GEMM and ``rope_triton.qkv_rope`` instead."""
+    attention between them stays the network's kernel. ``fused_rope``: the first half is LayerNorm,
+    GEMM and ``rope_triton.qkv_rope`` instead (None: on CUDA)."""
     for m in net.modules():
         if isinstance(m, Block):
             m.compiled, m.fused_rope = backend, fused_rope
@@ -361,24 +361,35 @@ class ACPredictor(nn.Module):
             cos = torch.cat([c.expand(r, -1, -1, -1) for (c, _), r in zip(tabs, rows, strict=True)])
             sin = torch.cat([s.expand(r, -1, -1, -1) for (_, s), r in zip(tabs, rows, strict=True)])
         for i, blk in enumerate(self.predictor_blocks):
-            x = blk(x, cos, sin, partial(cached_attend, [(*c.layer(i), t * c.tokens_per_frame) for c, t in segments]))
+            x = blk(x, cos, sin, CachedAttend([(*c.layer(i), t * c.tokens_per_frame) for c, t in segments], x.shape[1]))
         return self._out(x)
 
 
-def cached_attend(segments: list[tuple[torch.Tensor, torch.Tensor, int]], q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+class CachedAttend:
     """``Attend`` through per-rollout K/V caches. ``segments``: per segment of the batch's rows (in
     order), that layer's K / V buffers ``[rows, heads, capacity, head_dim]`` and where the new
-    tokens go: their K/V are written at ``[start, start + N)`` and their queries attend to
-    everything before ``start + N`` (a rollout step: earlier frames' K/V never change). Several
-    segments are several rollouts at different frames in one batch: attention per segment."""
-    N = q.shape[1]
-    outs, row = [], 0
-    for kc, vc, start in segments:
-        rows = slice(row, row + kc.shape[0])
-        row += kc.shape[0]
-        kc[:, :, start:start + N] = k[rows].transpose(1, 2)
-        vc[:, :, start:start + N] = v[rows].transpose(1, 2)
-        outs.append(F.scaled_dot_product_attention(q[rows].transpose(1, 2), kc[:, :, :start + N],
-                                                   vc[:, :, :start + N]).transpose(1, 2))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    ``tokens`` go: their K/V are written at ``[start, start + tokens)`` and their queries attend to
+    everything before ``start + tokens`` (a rollout step: earlier frames' K/V never change).
+    Several segments are several rollouts at different frames in one batch: attention per segment.
+    With one segment, ``kv_out`` names the slots so a block's first half can write K/V there itself."""
+
+    def __init__(self, segments: list[tuple[torch.Tensor, torch.Tensor, int]], tokens: int):
+        self.segments, self.tokens = segments, tokens
+        self.kv_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        if len(segments) == 1:
+            kc, vc, start = segments[0]
+            self.kv_out = (kc[:, :, start:start + tokens].transpose(1, 2), vc[:, :, start:start + tokens].transpose(1, 2))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        N = self.tokens
+        in_place = self.kv_out is not None and k is self.kv_out[0]
+        outs, row = [], 0
+        for kc, vc, start in self.segments:
+            rows = slice(row, row + kc.shape[0])
+            row += kc.shape[0]
+            if not in_place:
+                kc[:, :, start:start + N] = k[rows].transpose(1, 2)
+                vc[:, :, start:start + N] = v[rows].transpose(1, 2)
+            outs.append(F.scaled_dot_product_attention(q[rows].transpose(1, 2), kc[:, :, :start + N],
+                                                       vc[:, :, :start + N]).transpose(1, 2))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

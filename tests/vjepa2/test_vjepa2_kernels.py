@@ -99,6 +99,14 @@ def test_qkv_rope_kernel_matches_the_expression(tables):
     torch.testing.assert_close(q, rope.apply(want[0], cos, sin), atol=1e-5, rtol=0)
     torch.testing.assert_close(k, rope.apply(want[1], cos, sin), atol=1e-5, rtol=0)
     assert torch.equal(v, want[2])
+    # k and v straight into a cache's slots: [rows, heads, capacity, hd] seen as [rows, N, heads, hd]
+    cache = torch.zeros(2, B, H, 3 * N, hd)
+    slots = tuple(cache[i, :, :, N:2 * N].transpose(1, 2) for i in range(2))
+    _, k2, v2 = qkv_rope(qkv, cos, sin, H, kv_out=slots)
+    assert k2 is slots[0] and v2 is slots[1]
+    torch.testing.assert_close(cache[0, :, :, N:2 * N], k.transpose(1, 2), atol=0, rtol=0)
+    assert torch.equal(cache[1, :, :, N:2 * N], v.transpose(1, 2))
+    assert not cache[:, :, :, :N].any() and not cache[:, :, :, 2 * N:].any()
     with pytest.raises(ValueError, match="RoPE tables of 7 rows for 80 tokens"):
         qkv_rope(qkv, cos.reshape(-1, hd)[:7], sin.reshape(-1, hd)[:7], H)
 
@@ -106,19 +114,59 @@ def test_qkv_rope_kernel_matches_the_expression(tables):
 def test_qkv_rope_kernel_compiles_for_hopper():
     """The interpreter accepts Python the GPU compiler does not (a loop over a tuple of pointers
     did): compile the kernel for sm_90, no GPU needed (Triton's bundled ptxas), in a process of its
-    own (this one may run the interpreter)."""
+    own (this one may run the interpreter); with aligned arguments every access is a vector one."""
     pytest.importorskip("triton", reason="rope_triton needs the triton package")
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mstar.models.vjepa2.rope_triton import BLOCK_C, BLOCK_T, _qkv_rope_kernel
-sig = {**dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"), "T": "i32", "R": "i32",
+names = ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr", "T", "R", "N", "kv_sb", "kv_sn", "kv_sh")
+sig = {**dict.fromkeys(names[:6], "*bf16"), **dict.fromkeys(names[6:], "i32"),
        **dict.fromkeys(("C", "HD", "BLOCK_T", "BLOCK_C"), "constexpr")}
-src = ASTSource(fn=_qkv_rope_kernel, signature=sig, constexprs={"C": 1408, "HD": 64, "BLOCK_T": BLOCK_T, "BLOCK_C": BLOCK_C})
-assert "st.global" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}  # as the launcher specialises aligned args
+src = ASTSource(fn=_qkv_rope_kernel, signature=sig, constexprs={"C": 1408, "HD": 64, "BLOCK_T": BLOCK_T, "BLOCK_C": BLOCK_C},
+                attrs=attrs)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+assert "ld.global.b16" not in ptx and "st.global.b16" not in ptx, "scalar loads or stores"
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_rollout_with_the_fused_first_half():
+    """The AC predictor with ``qkv_rope`` writing K/V straight into the rollout's cache (one rollout)
+    and through the copy (two rollouts at different frames in one step) predicts what the eager
+    blocks predict (fp32, the interpreter)."""
+    pytest.importorskip("triton", reason="rope_triton needs the triton package")
+    from conftest import AC_TINY
+
+    from mstar.models.vjepa2 import rollout
+    from mstar.models.vjepa2.modules import ACPredictor
+
+    torch.manual_seed(0)
+    enc = AC_TINY.encoder
+    pred = ACPredictor(AC_TINY.ac, enc).eval()
+    g = torch.Generator().manual_seed(4)
+    ctx = rollout.normalize(torch.randn(2, 2, enc.tokens_per_tubelet, enc.dim, generator=g))
+    acts, states = torch.randn(2, 4, 7, generator=g) * 0.05, torch.randn(2, 2, 7, generator=g) * 0.3
+
+    def both():
+        one = rollout.rollout(pred, ctx, acts, states)
+        a = rollout.start(pred, ctx[:1], acts[:1], states[:1], 3)  # two rollouts, one a frame ahead
+        b = rollout.start(pred, ctx[1:, :1], acts[1:], states[1:, :1], 4)
+        rollout.advance(pred, b, acts[1:, 0])
+        two = rollout.advance_many(pred, [a, b], [acts[:1, 1], acts[1:, 1]])
+        return one, two
+
+    with torch.no_grad():
+        want = both()
+        try:
+            compile_blocks(pred, "eager", fused_rope=True)
+            got = both()
+        finally:
+            compile_blocks(pred, None)
+    for w, o in zip(torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got), strict=True):
+        torch.testing.assert_close(o, w, atol=1e-5, rtol=0)
