@@ -110,8 +110,7 @@ def bench_encoder(args, dtype, peak) -> dict:
     tokens = (args.frames // cfg.tubelet) * (args.crop // cfg.patch) ** 2
     from mstar.models.vjepa2.modules import attention_kernel, compile_blocks, sdpa
 
-    kernels = {spec: attention_kernel(None if spec == "sdpa" else spec, args.device) for spec in
-               {v.split("/", 1)[1] for v in args.encoder_variants}}
+    kernels = {spec: attention_kernel(spec) for spec in {v.split("/", 1)[1] for v in args.encoder_variants}}
     for B in args.encoder_batches:
         video = torch.randn(B, args.frames, 3, args.crop, args.crop, device=args.device, dtype=dtype)
         pixels = video.transpose(1, 2)
@@ -119,9 +118,9 @@ def bench_encoder(args, dtype, peak) -> dict:
             theirs = hf(pixel_values_videos=video, skip_predictor=True).last_hidden_state
             t_hf = timed(partial(hf, pixel_values_videos=video, skip_predictor=True), args.device, args.iters)
             by_variant, diffs = {}, {}
-            for variant in args.encoder_variants:  # "<eager|compiled|inductor>/<attention>"
-                mode, spec = variant.split("/", 1)  # compiled: the RoPE by rope_triton; inductor: by torch.compile
-                compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=None if mode == "compiled" else False)
+            for variant in args.encoder_variants:  # "<eager|compiled>/<attention>"
+                mode, spec = variant.split("/", 1)
+                compile_blocks(enc, None if mode == "eager" else "inductor")
                 enc.attend = kernels[spec]
                 diffs[variant] = (enc(pixels).float() - theirs.float()).abs().max().item()  # compiles on the first call
                 by_variant[variant] = timed(partial(enc, pixels), args.device, args.iters)
@@ -136,7 +135,7 @@ def bench_encoder(args, dtype, peak) -> dict:
         attn_flops = 4 * B * tokens * tokens * cfg.dim
         if args.profile and B == args.encoder_batches[0]:
             mode, spec = best.split("/", 1)
-            compile_blocks(enc, None if mode == "eager" else "inductor", fused_rope=None if mode == "compiled" else False)
+            compile_blocks(enc, None if mode == "eager" else "inductor")
             enc.attend = kernels[spec]
             with torch.inference_mode():
                 profile_parts(args.profile, {f"encoder_b{B}": partial(enc, pixels)}, args.device)
@@ -179,6 +178,7 @@ def chunk_rows(args, pred, steps: int) -> int:
 
 def bench_rollout(args, dtype, peak) -> dict:
     from mstar.models.vjepa2 import rollout
+    from mstar.models.vjepa2.modules import compile_blocks
     from mstar.models.vjepa2.pose import new_pose
 
     pred, enc, ac = ac_model(args, dtype)
@@ -191,12 +191,14 @@ def bench_rollout(args, dtype, peak) -> dict:
         states = (torch.randn(B, 1, 7, generator=g) * 0.3).to(args.device)
         return ctx, acts, states
 
-    def ours(ctx, acts, states):
+    def ours(ctx, acts, states):  # the blocks as served (compiled on a GPU) unless --eager-rollout
+        compile_blocks(pred, "inductor" if args.device.startswith("cuda") and not args.eager_rollout else None)
         rows = chunk_rows(args, pred, acts.shape[1])
         return torch.cat([rollout.rollout(pred, c, a, s)[0][:, -1]
                           for c, a, s in zip(ctx.split(rows), acts.split(rows), states.split(rows), strict=True)])
 
-    def recompute(ctx, acts, states):
+    def recompute(ctx, acts, states):  # the reference's loop: eager blocks
+        compile_blocks(pred, None)
         out = []
         for c, a, s in zip(ctx.split(args.recompute_rows), acts.split(args.recompute_rows),
                            states.split(args.recompute_rows), strict=True):
@@ -208,7 +210,8 @@ def bench_rollout(args, dtype, peak) -> dict:
             out.append(frames[:, -1])
         return torch.cat(out)
 
-    res = {"predictor": asdict(ac), "encoder_width": E, "tokens_per_frame": P + 2, "runs": []}
+    res = {"predictor": asdict(ac), "encoder_width": E, "tokens_per_frame": P + 2, "runs": [],
+           "ours_blocks": "eager" if args.eager_rollout or not args.device.startswith("cuda") else "compiled"}
     with torch.inference_mode():
         for B in args.rollout_batches:
             for H in args.horizons:
@@ -253,8 +256,8 @@ def bench_plan(args, dtype, peak) -> dict:
            "variants": {}}
     probe = (torch.randn(cfg.samples, cfg.rollout, 7, generator=g) * cfg.maxnorm).clamp(-cfg.maxnorm, cfg.maxnorm).to(args.device)
     finals: dict[str, torch.Tensor] = {}
-    for variant in args.plan_variants:  # eager | compiled | inductor: the predictor's blocks (as the encoder's)
-        compile_blocks(pred, None if variant == "eager" else "inductor", fused_rope=None if variant == "compiled" else False)
+    for variant in args.plan_variants:  # eager | compiled: the predictor's blocks (as the encoder's)
+        compile_blocks(pred, None if variant == "eager" else "inductor")
         loops = LoopGraphs(rollout.RolloutBody(pred, cfg.rollout), cfg.rollout, ("frame", "pose"), args.device,
                            buckets=(rows,) if graphs else (), name="plan")
 
@@ -300,12 +303,13 @@ def main(argv=None) -> None:
     p.add_argument("--recompute-sample", type=int, default=0,
                    help="time the recompute loop on this many rows and scale to the batch (0: all rows)")
     p.add_argument("--no-graphs", action="store_true")
-    p.add_argument("--plan-variants", nargs="+", default=["eager", "inductor", "compiled"],
+    p.add_argument("--eager-rollout", action="store_true", help="our rollouts with eager blocks (records before 2026-11-26c)")
+    p.add_argument("--plan-variants", nargs="+", default=["eager", "compiled"],
                    help="the predictor's blocks in the plan (as --encoder-variants)")
     p.add_argument("--encoder-variants", nargs="+",
-                   default=["eager/sdpa", "inductor/sdpa", "compiled/sdpa", "compiled/fa3"],
-                   help="<eager|compiled|inductor>/<attention knob> runs of our encoder to time (the best is "
-                        "reported); compiled: torch.compile'd halves with rope_triton's RoPE, inductor: all compiled")
+                   default=["eager/sdpa", "compiled/sdpa", "compiled/sdpa:flash"],
+                   help="<eager|compiled>/<attention knob> runs of our encoder to time (the best is reported); "
+                        "compiled: the blocks as served on a GPU (compile_blocks)")
     p.add_argument("--profile", metavar="DIR", help="also write the best encoder variant's kernel table (B = first)")
     args = p.parse_args(argv)
     if args.tiny:

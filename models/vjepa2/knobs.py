@@ -21,10 +21,11 @@ class VJepa2Settings(Knobs):
     checkpoint: str = Field("facebook/vjepa2-vitl-fpc64-256", description="encoder + masked predictor checkpoint")
     ac_checkpoint: str = Field("facebook/vjepa2-ac-vitg", description="action-conditioned predictor checkpoint")
     attention: str | None = Field(
-        None, pattern=r"^(sdpa(:(cudnn|flash|efficient|math)(,(cudnn|flash|efficient|math))*)?|fa3|fa2)$",
-        description="the encoders' attention: sdpa (torch's kernel choice), sdpa:<kernels> (e.g. sdpa:cudnn,flash), "
-                    "fa3 or fa2 (FlashInfer, CUDA)")
-    compile: bool | None = Field(None, description="the blocks under torch.compile (default: on a GPU; never on a CPU)")
+        None, pattern=r"^sdpa(:(cudnn|flash|efficient|math)(,(cudnn|flash|efficient|math))*)?$",
+        description="the encoders' attention: sdpa (torch's kernel choice) or sdpa:<kernels> in that order "
+                    "(e.g. sdpa:cudnn,flash)")
+    compile: bool | None = Field(None, description="the blocks' fused kernels: Triton's RoPE, torch.compile "
+                                 "(default: on a GPU; never on a CPU)")
     cuda_graphs: bool = Field(True, description="rollout steps as CUDA graphs")
     max_rollout_rows: int = Field(512, ge=1, le=65536, description="rollout rows batched at once")
 

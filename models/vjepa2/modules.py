@@ -24,11 +24,9 @@ from mstar.models.vjepa2.config import ACConfig, EncoderConfig, PredictorConfig
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-#: FlashInfer's kernels for an encoder's attention (``attention_kernel``)
-FLASHINFER = ("fa3", "fa2")
-#: Dynamo's entries per compiled function (``compile_blocks``): its default, 8, is less than one
-#: deployment needs (two encoders, two predictors, each at batch 1 and past it), and past it dynamo
-#: would run the blocks eagerly with only a warning.
+#: Dynamo's entries for the compiled half (``compile_blocks``): its default, 8, is less than one
+#: deployment may need (two encoders, two predictors, each at batch 1 and past it, per-row RoPE
+#: tables), and past it dynamo would run the blocks eagerly with only a warning.
 RECOMPILE_LIMIT = 64
 
 #: q, k, v ``[B, N, heads, head_dim]`` (q and k rotated) -> ``[B, N, heads, head_dim]``
@@ -49,10 +47,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
                                           attn_mask=mask).transpose(1, 2)
 
 
-def attention_kernel(spec: str | None, device: torch.device | str) -> Attend:
+def attention_kernel(spec: str | None) -> Attend:
     """An encoder's attention (no mask: every token sees every token) from the ``attention`` knob:
-    None or ``sdpa``: torch's SDPA, its own kernel choice; ``sdpa:cudnn,flash``: SDPA trying those
-    kernels in that order; ``fa3`` / ``fa2``: FlashInfer's ragged prefill kernels (CUDA only)."""
+    None or ``sdpa``: torch's SDPA, its own kernel choice (cuDNN's on Hopper); ``sdpa:cudnn,flash``:
+    SDPA trying those kernels in that order. (FlashInfer's fa3 kernels were measured and not kept:
+    bench/results/HISTORY.md.)"""
     if spec is None or spec == "sdpa":
         return sdpa
     if spec.startswith("sdpa:"):
@@ -65,11 +64,7 @@ def attention_kernel(spec: str | None, device: torch.device | str) -> Attend:
             with sdpa_order(order):
                 return sdpa(q, k, v)
         return ordered
-    if spec in FLASHINFER:
-        from mstar.services.engines.attn_flashinfer import DenseAttention
-
-        return DenseAttention(torch.device(device), backend=spec)
-    raise ValueError(f"attention must be sdpa, sdpa:<kernels> or one of {', '.join(FLASHINFER)}, got {spec!r}")
+    raise ValueError(f"attention must be sdpa or sdpa:<kernels>, got {spec!r}")
 
 
 class Attention(nn.Module):
@@ -94,14 +89,13 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """A pre-LayerNorm block in two halves around its attention: ``_project`` (norm, qkv, RoPE) and
-    ``_finish`` (proj, residual, norm, MLP, residual). Under ``compile_blocks`` each half is one
-    torch.compile'd function shared by every block of that shape (its elementwise chains fused:
-    eagerly the RoPE alone is ~10 passes over q and k)."""
+    ``_finish`` (proj, residual, norm, MLP, residual). Under ``compile_blocks`` the first half is
+    LayerNorm, the qkv GEMM and one Triton kernel (``rope_triton``: eagerly the RoPE alone is ~10
+    passes over q and k), and the second one torch.compile'd function shared by every block of that
+    shape (its elementwise chains fused)."""
 
-    #: torch.compile's backend for the halves (``compile_blocks``); None: eager
+    #: torch.compile's backend for the second half (``compile_blocks``); None: both halves eager
     compiled: Any = None
-    #: compiled: the first half as LayerNorm, the qkv GEMM and ``rope_triton.qkv_rope`` (None: on CUDA)
-    fused_rope: bool | None = None
 
     def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float):
         super().__init__()
@@ -111,12 +105,12 @@ class Block(nn.Module):
         self.mlp = MLP(dim, mlp_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = sdpa) -> torch.Tensor:
-        project, finish = _halves(self.compiled)
+        project, finish = _project, _finish
         if self.compiled is not None:
             if x._base is not None:  # dynamo guards a view's base: views and the rest would be two entries
                 x = x.clone()
-            if x.is_cuda if self.fused_rope is None else self.fused_rope:  # K/V straight to where attention keeps them
-                project = partial(_project_fused, kv_out=getattr(attend, "kv_out", None))
+            # K/V straight to where the attention keeps them
+            project, finish = partial(_project_fused, kv_out=getattr(attend, "kv_out", None)), _compiled(self.compiled)
         n1, n2, a, m = self.norm1, self.norm2, self.attn, self.mlp
         q, k, v = project(x, cos, sin, n1.weight, n1.bias, n1.eps, a.qkv.weight, a.qkv.bias, a.heads)
         return finish(x, attend(q, k, v), a.proj.weight, a.proj.bias, n2.weight, n2.bias, n2.eps,
@@ -148,30 +142,27 @@ def _finish(x, attended, proj_w, proj_b, norm_w, norm_b, eps: float, fc1_w, fc1_
     return x + F.linear(F.gelu(F.linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
 
 
-_COMPILED: dict[Any, tuple[Callable, Callable]] = {}
+_COMPILED: dict[Any, Callable] = {}
 
 
-def _halves(backend: Any) -> tuple[Callable, Callable]:
-    if backend is None:
-        return _project, _finish
+def _compiled(backend: Any) -> Callable:
     if backend not in _COMPILED:
         import torch._dynamo.config as dynamo
 
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         # batch and token counts symbolic from the first call: a new batch size or clip length
         # reuses the kernels instead of compiling again
-        _COMPILED[backend] = tuple(torch.compile(f, backend=backend, dynamic=True, fullgraph=True)  # type: ignore[assignment]
-                                   for f in (_project, _finish))
+        _COMPILED[backend] = torch.compile(_finish, backend=backend, dynamic=True, fullgraph=True)
     return _COMPILED[backend]
 
 
-def compile_blocks(net: nn.Module, backend: Any = "inductor", fused_rope: bool | None = None) -> None:
-    """Run ``net``'s blocks' halves under torch.compile with ``backend`` (None: eagerly again); the
-    attention between them stays the network's kernel. ``fused_rope``: the first half is LayerNorm,
-    GEMM and ``rope_triton.qkv_rope`` instead (None: on CUDA)."""
+def compile_blocks(net: nn.Module, backend: Any = "inductor") -> None:
+    """Run ``net``'s blocks' halves as ``Block`` says, the second under torch.compile with
+    ``backend`` (None: both eager again); the attention between them stays the network's kernel.
+    The first half's kernel is Triton's: on a CPU only under ``TRITON_INTERPRET=1`` (the tests)."""
     for m in net.modules():
         if isinstance(m, Block):
-            m.compiled, m.fused_rope = backend, fused_rope
+            m.compiled = backend
 
 
 class PatchEmbed(nn.Module):

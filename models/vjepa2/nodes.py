@@ -49,8 +49,8 @@ class Weights:
             path = weights.resolve(name, ctx.cache_dir)
             mods = cls._cache[key] = weights.build(weights.read(path), ctx.device, dtype_of(ctx.model_kwargs, ctx.device))
             if mods[0] is not None:
-                mods[0].attend = attention_kernel(ctx.model_kwargs.get("attention"), ctx.device)
-            if ctx.compile:  # the blocks' halves
+                mods[0].attend = attention_kernel(ctx.model_kwargs.get("attention"))
+            if ctx.compile:  # the blocks' halves: Triton's RoPE kernel, torch.compile
                 for m in mods:
                     if m is not None:
                         compile_blocks(m)

@@ -126,27 +126,3 @@ class FlashInferGraphDecode:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         return self._wrapper.run(q, (k_cache, v_cache))
 
-
-class DenseAttention:
-    """Attention without a mask over B sequences of N tokens each (a vision transformer's clip):
-    FlashInfer's ragged prefill kernels, no cache, planned once per shape. q, k, v ``[B, N, H, D]``
-    -> ``[B, N, H, D]``."""
-
-    def __init__(self, device: torch.device, backend: str = "fa3"):
-        if device.type != "cuda":
-            raise RuntimeError(f"FlashInfer attention needs a CUDA device, got '{device}'")
-        fi = _import_flashinfer()
-        self.backend = backend
-        self._wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
-            torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD", backend=backend)
-        self._planned: tuple | None = None
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B, N, H, D = q.shape
-        shape = (B, N, H, D, q.dtype)
-        if shape != self._planned:
-            indptr = torch.arange(0, (B + 1) * N, N, dtype=torch.int32)  # host: planning never waits
-            self._wrapper.plan(indptr, indptr, H, H, D, causal=False, q_data_type=q.dtype, kv_data_type=q.dtype)
-            self._planned = shape
-        flat = [t.reshape(B * N, H, D) for t in (q, k, v)]
-        return self._wrapper.run(*flat).view(B, N, H, D)

@@ -1,8 +1,9 @@
-"""How the blocks run: their halves under torch.compile (traced whole, compiled once for every
-block of a network and every batch size past one), the Triton kernel that splits and rotates q / k / v
-(under the interpreter on a CPU), and the ``attention`` knob's kernels. The
-compiled runs here use dynamo with the eager backend (the same ops, so the same numbers): what
-inductor makes of them is measured on a GPU by ``bench/vjepa2/bench_vjepa2.py``."""
+"""How the blocks run on a GPU (``compile_blocks``): the first half's Triton kernel that splits and
+rotates q / k / v (under the interpreter on a CPU, compiled for sm_90 without a GPU), the second
+half under torch.compile (traced whole, compiled once for every block of a network and every batch
+size past one); and the ``attention`` knob's kernels. The compiled runs here use dynamo with the
+eager backend (the same ops): what inductor makes of them is measured on a GPU by
+``bench/vjepa2/bench_vjepa2.py``."""
 
 import os
 import subprocess
@@ -27,6 +28,7 @@ def nets(hf_model):
 
 
 def test_compiled_halves_trace_once_for_every_block(nets):
+    pytest.importorskip("triton", reason="rope_triton needs the triton package")
     enc, pred = nets
     g = torch.Generator().manual_seed(0)
     clips = [torch.randn(b, 3, 4, 16, 16, generator=g) for b in (2, 3, 5)]
@@ -40,15 +42,15 @@ def test_compiled_halves_trace_once_for_every_block(nets):
         compile_blocks(pred, counter)
         with torch.no_grad():
             got = [enc(c) for c in clips]
-            assert counter.frame_count == 2  # project and finish, for both blocks and every batch size
-            got_pred = pred(got[0], ids, ids)  # per-row RoPE tables: one more entry per half
-            assert counter.frame_count == 4
+            assert counter.frame_count == 1  # the second half, for both blocks and every batch size
+            got_pred = pred(got[0], ids, ids)  # another width: one more entry
+            assert counter.frame_count == 2
     finally:
         compile_blocks(enc, None)
         compile_blocks(pred, None)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    torch.testing.assert_close(got_pred, want_pred, atol=1e-6, rtol=0)
+    for a, b in zip(got, want, strict=True):  # fp32: the fused RoPE rounds once where eager rounds thrice
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_pred, want_pred, atol=1e-5, rtol=0)
 
 
 def test_attention_kernels(nets):
@@ -57,21 +59,19 @@ def test_attention_kernels(nets):
     with torch.no_grad():
         want = enc(clip)
         try:
-            enc.attend = attention_kernel("sdpa:math", "cpu")
+            enc.attend = attention_kernel("sdpa:math")
             torch.testing.assert_close(enc(clip), want, atol=1e-6, rtol=0)
         finally:
             enc.attend = sdpa
-    assert attention_kernel(None, "cpu") is sdpa and attention_kernel("sdpa", "cpu") is sdpa
+    assert attention_kernel(None) is sdpa and attention_kernel("sdpa") is sdpa
     with pytest.raises(ValueError, match="SDPA kernels are cudnn, flash"):
-        attention_kernel("sdpa:cudnn,fast", "cpu")
+        attention_kernel("sdpa:cudnn,fast")
     with pytest.raises(ValueError, match="attention must be sdpa"):
-        attention_kernel("fa4", "cpu")
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        attention_kernel("fa3", "cpu")
+        attention_kernel("fa3")
 
 
-@pytest.mark.parametrize("spec,ok", [("sdpa", True), ("sdpa:cudnn,flash,efficient", True), ("fa3", True),
-                                     ("fa2", True), ("sdpa:", False), ("cudnn,flash", False), ("fa3 ", False)])
+@pytest.mark.parametrize("spec,ok", [("sdpa", True), ("sdpa:cudnn,flash,efficient", True), ("sdpa:flash", True),
+                                     ("sdpa:", False), ("cudnn,flash", False), ("fa3", False), ("sdpa ", False)])
 def test_attention_knob(spec, ok):
     if ok:
         assert VJepa2Settings(attention=spec).attention == spec
@@ -136,19 +136,16 @@ assert "ld.global.b16" not in ptx and "st.global.b16" not in ptx, "scalar loads 
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_rollout_with_the_fused_first_half():
+def test_rollout_with_the_fused_first_half(ac_checkpoint):
     """The AC predictor with ``qkv_rope`` writing K/V straight into the rollout's cache (one rollout)
     and through the copy (two rollouts at different frames in one step) predicts what the eager
     blocks predict (fp32, the interpreter)."""
     pytest.importorskip("triton", reason="rope_triton needs the triton package")
-    from conftest import AC_TINY
-
     from mstar.models.vjepa2 import rollout
-    from mstar.models.vjepa2.modules import ACPredictor
 
-    torch.manual_seed(0)
-    enc = AC_TINY.encoder
-    pred = ACPredictor(AC_TINY.ac, enc).eval()
+    loaded = weights.read(ac_checkpoint)
+    pred = weights.build(loaded)[2]
+    enc = loaded.config.encoder
     g = torch.Generator().manual_seed(4)
     ctx = rollout.normalize(torch.randn(2, 2, enc.tokens_per_tubelet, enc.dim, generator=g))
     acts, states = torch.randn(2, 4, 7, generator=g) * 0.05, torch.randn(2, 2, 7, generator=g) * 0.3
@@ -164,7 +161,7 @@ def test_rollout_with_the_fused_first_half():
     with torch.no_grad():
         want = both()
         try:
-            compile_blocks(pred, "eager", fused_rope=True)
+            compile_blocks(pred, "eager")
             got = both()
         finally:
             compile_blocks(pred, None)
