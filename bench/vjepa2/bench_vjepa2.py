@@ -317,6 +317,8 @@ def main(argv=None) -> None:
         args.encoder_batches, args.rollout_batches = [1, 2], [4, 8]
         args.horizons, args.iters, args.recompute_rows = [2, 4], min(args.iters, 2), 4
         args.encoder_variants = ["eager/sdpa", "eager/sdpa:math"]
+    if not args.device.startswith("cuda"):  # compiled blocks run a Triton kernel: CUDA only (or its interpreter)
+        args.plan_variants = ["eager"]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     peak = peak_tflops(args.device, dtype)
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
