@@ -116,7 +116,8 @@ def bench_encoder(args, dtype, peak) -> dict:
         pixels = video.transpose(1, 2)
         with torch.inference_mode():
             theirs = hf(pixel_values_videos=video, skip_predictor=True).last_hidden_state
-            t_hf = timed(partial(hf, pixel_values_videos=video, skip_predictor=True), args.device, args.iters)
+            run_hf = partial(hf, pixel_values_videos=video, skip_predictor=True)
+            t_hf_first = timed(run_hf, args.device, args.iters)
             by_variant, diffs = {}, {}
             for variant in args.encoder_variants:  # "<eager|compiled>/<attention>"
                 mode, spec = variant.split("/", 1)
@@ -129,6 +130,10 @@ def bench_encoder(args, dtype, peak) -> dict:
                     for spec, k in kernels.items()}
             compile_blocks(enc, None)
             enc.attend = sdpa
+            # timed again after ours: the first timing of a process ran 1.0-1.7x slower from call to
+            # call at B = 1 (41.6-70.4 ms on one H200); the baseline is the faster of the two
+            t_hf_again = timed(run_hf, args.device, args.iters)
+            t_hf = min(t_hf_first, t_hf_again)
         best = min(by_variant, key=by_variant.get)
         t_ours = by_variant[best]
         floor = out["flops_per_clip"] * B / (peak * 1e12)
@@ -142,7 +147,8 @@ def bench_encoder(args, dtype, peak) -> dict:
             compile_blocks(enc, None)
             enc.attend = sdpa
         row = {"batch": B, "ours_s": t_ours, "ours_variant": best, "ours_s_by_variant": by_variant,
-               "max_abs_diff_by_variant": diffs, "transformers_s": t_hf, "speedup": t_hf / t_ours,
+               "max_abs_diff_by_variant": diffs, "transformers_s": t_hf,
+               "transformers_s_before_after": [t_hf_first, t_hf_again], "speedup": t_hf / t_ours,
                "ours_clips_per_s": B / t_ours, "transformers_clips_per_s": B / t_hf,
                "ours_tokens_per_s": B * tokens / t_ours, "transformers_tokens_per_s": B * tokens / t_hf,
                "flop_floor_s": floor, "ours_over_floor": t_ours / floor,
