@@ -22,12 +22,16 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from bench_omni import write_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
+from gpu_timing import profile_parts  # noqa: E402  (the engine benchmarks' timing helpers)
 
 from mstar.models.qwen3_omni.direct import load_parts
 from mstar.models.qwen3_omni.talker_engine import TalkerEngine
@@ -62,13 +66,17 @@ def time_calls(run, cuda: bool, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def time_pass(eng, inputs: dict[str, torch.Tensor], context: int, warmup: int, iters: int) -> float:
-    """Median ms of one decode pass of ``len(batch)`` rows at ``context`` cached tokens."""
+def one_pass(eng, inputs: dict[str, torch.Tensor], context: int):
+    """One decode pass of ``len(batch)`` rows at ``context`` cached tokens, as a function."""
     b = next(iter(inputs.values())).shape[0]
     slots, lengths = list(range(b)), [context] * b
     positions = torch.full((3, b), float(context))
-    return time_calls(lambda: eng.decode.run(slots, lengths, positions, **inputs), eng.device.type == "cuda",
-                      warmup, iters)
+    return lambda: eng.decode.run(slots, lengths, positions, **inputs)
+
+
+def time_pass(eng, inputs: dict[str, torch.Tensor], context: int, warmup: int, iters: int) -> float:
+    """Median ms of one decode pass."""
+    return time_calls(one_pass(eng, inputs, context), eng.device.type == "cuda", warmup, iters)
 
 
 def _tp_rank(rank: int, size: int, init: str, ckpt: str, device: str, batches: list[int], context: int, max_len: int,
@@ -148,6 +156,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="also the Thinker at this tensor-parallel size (GPUs 0..tp-1; "
                                                         "gloo ranks on a CPU), in spawned ranks after TP=1")
     ap.add_argument("--tp-timeout", type=float, default=900, help="seconds the TP ranks may take")
+    ap.add_argument("--profile", metavar="DIR", help="also each TP=1 graph pass's kernel table (torch.profiler)")
     args = ap.parse_args()
     ckpt = write_checkpoint(Path(args.root or tempfile.mkdtemp(prefix="omni-decode-")), args.tiny)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -161,8 +170,11 @@ def main() -> None:
             row: dict = {"part": part, "batch": b}
             for graphs in (False, True):
                 eng = engine(p, part, b, args.max_seq_len, graphs)
-                row["graph_ms" if graphs else "eager_ms"] = time_pass(eng, model_inputs(p, part, b, args.device),
-                                                                      args.context, args.warmup, args.iters)
+                inputs = model_inputs(p, part, b, args.device)
+                row["graph_ms" if graphs else "eager_ms"] = time_pass(eng, inputs, args.context, args.warmup, args.iters)
+                if graphs and args.profile:
+                    with torch.inference_mode():
+                        profile_parts(args.profile, {f"{part}_b{b}": one_pass(eng, inputs, args.context)}, args.device)
                 if graphs:
                     row["graph_replays"] = sum(loop.stats.graph_replays for loop in eng.decode.loops.values())
                     row["span"] = eng.decode.span(args.context)
