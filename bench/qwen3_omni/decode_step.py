@@ -10,6 +10,8 @@ median of ``--iters``. Memory: ~67 GB of weights for both parts; one H200, or ``
 and ``--parts talker`` in two runs on an H100. ``--tp N``: after TP=1, the Thinker's pass at
 TP=N in N spawned ranks (GPUs 0..N-1), timed on rank 0 as the engine runs it under TP (its host
 inputs sent to every rank), each batch against TP=1's graphs (issue 32: <= 0.65x at 16 rows).
+``--compiled``: also the graph pass with the decoder layers under torch.compile (``compile_layers``,
+as served on a GPU), at TP=1 and TP=N.
 
     python bench/qwen3_omni/decode_step.py --device cuda --out bench/results/qwen3_omni/decode_step.json
     python bench/qwen3_omni/decode_step.py --device cuda --parts thinker --batch 1,16 --tp 2 --out F   # two GPUs
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
 from gpu_timing import profile_parts  # noqa: E402  (the engine benchmarks' timing helpers)
 
 from mstar.models.qwen3_omni.direct import load_parts
+from mstar.models.qwen3_omni.layers import compile_layers
 from mstar.models.qwen3_omni.talker_engine import TalkerEngine
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine
 
@@ -42,6 +45,14 @@ def engine(p, part: str, batch: int, max_len: int, graphs: bool):
     if part == "thinker":
         return ThinkerEngine(p.thinker, p.cfg.accept_hidden_layer, batch, max_len, cuda_graphs=graphs)
     return TalkerEngine(p.talker, p.specials(), batch, max_len, cuda_graphs=graphs)
+
+
+def decoder(p, part: str):
+    return p.thinker.model if part == "thinker" else p.talker.model
+
+
+def modes(args) -> tuple:
+    return MODES if args.compiled else MODES[:2]
 
 
 def model_inputs(p, part: str, batch: int, device: str) -> dict[str, torch.Tensor]:
@@ -79,8 +90,12 @@ def time_pass(eng, inputs: dict[str, torch.Tensor], context: int, warmup: int, i
     return time_calls(one_pass(eng, inputs, context), eng.device.type == "cuda", warmup, iters)
 
 
+#: the passes timed per batch: (row key, CUDA graphs, the layers torch.compile'd: compile_layers)
+MODES = (("eager_ms", False, False), ("graph_ms", True, False), ("compiled_graph_ms", True, True))
+
+
 def _tp_rank(rank: int, size: int, init: str, ckpt: str, device: str, batches: list[int], context: int, max_len: int,
-             warmup: int, iters: int, out: str) -> None:
+             warmup: int, iters: int, out: str, modes: tuple) -> None:
     """One rank of the Thinker at TP=``size`` (cuda:rank, or the CPU over gloo): rank 0 times the
     engine's decode pass as served (``_mirrored``: the host inputs go to every rank, each runs its
     shard, its collectives); the others follow."""
@@ -96,12 +111,13 @@ def _tp_rank(rank: int, size: int, init: str, ckpt: str, device: str, batches: l
     rows = []
     for b in batches:
         row: dict = {"batch": b}
-        for graphs in (False, True):
+        for key, graphs, compiled in modes:
+            compile_layers(p.thinker.model, "inductor" if compiled else None)
             eng = ThinkerEngine(p.thinker, p.cfg.accept_hidden_layer, b, max_len, tp=tp, cuda_graphs=graphs)
             if rank == 0:
                 pass_args = (torch.randint(0, p.cfg.text.vocab_size, (b,)), torch.full((3, b), float(context)),
                              list(range(b)), [context] * b)  # ids, positions, slots, lengths
-                row["graph_ms" if graphs else "eager_ms"] = time_calls(
+                row[key] = time_calls(
                     lambda eng=eng, a=pass_args: eng._mirrored("_decode_pass", *a), device == "cuda", warmup, iters)
                 eng.close()  # the followers' follow() returns
             else:
@@ -126,7 +142,7 @@ def thinker_tp(ckpt: Path, args, batches: list[int]) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="omni-tp-")) / "rows.json"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_tp_rank, args=(r, args.tp, init, str(ckpt), args.device, batches, args.context,
-                                                 args.max_seq_len, args.warmup, args.iters, str(out)))
+                                                 args.max_seq_len, args.warmup, args.iters, str(out), modes(args)))
              for r in range(args.tp)]
     for proc in procs:
         proc.start()
@@ -157,6 +173,8 @@ def main() -> None:
                                                         "gloo ranks on a CPU), in spawned ranks after TP=1")
     ap.add_argument("--tp-timeout", type=float, default=900, help="seconds the TP ranks may take")
     ap.add_argument("--profile", metavar="DIR", help="also each TP=1 graph pass's kernel table (torch.profiler)")
+    ap.add_argument("--compiled", action="store_true", help="also the graph pass with the decoder layers "
+                    "torch.compile'd around their GEMMs and attention (compile_layers; CUDA)")
     args = ap.parse_args()
     ckpt = write_checkpoint(Path(args.root or tempfile.mkdtemp(prefix="omni-decode-")), args.tiny)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -168,13 +186,15 @@ def main() -> None:
     for part in args.parts:
         for b in [int(x) for x in args.batch.split(",")]:
             row: dict = {"part": part, "batch": b}
-            for graphs in (False, True):
+            for key, graphs, compiled in modes(args):
+                compile_layers(decoder(p, part), "inductor" if compiled else None)
                 eng = engine(p, part, b, args.max_seq_len, graphs)
                 inputs = model_inputs(p, part, b, args.device)
-                row["graph_ms" if graphs else "eager_ms"] = time_pass(eng, inputs, args.context, args.warmup, args.iters)
+                row[key] = time_pass(eng, inputs, args.context, args.warmup, args.iters)
                 if graphs and args.profile:
                     with torch.inference_mode():
-                        profile_parts(args.profile, {f"{part}_b{b}": one_pass(eng, inputs, args.context)}, args.device)
+                        name = f"{part}_b{b}" + ("_compiled" if compiled else "")
+                        profile_parts(args.profile, {name: one_pass(eng, inputs, args.context)}, args.device)
                 if graphs:
                     row["graph_replays"] = sum(loop.stats.graph_replays for loop in eng.decode.loops.values())
                     row["span"] = eng.decode.span(args.context)
@@ -182,9 +202,10 @@ def main() -> None:
                 gc.collect()
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
+            compile_layers(decoder(p, part), None)
             result["rows"].append(row)
-            print(f"{part:8s} batch {b:3d}: eager {row['eager_ms']:8.2f} ms  graphs {row['graph_ms']:8.2f} ms  "
-                  f"({row['eager_ms'] / row['graph_ms']:.1f}x; {row['graph_replays']} replays)", flush=True)
+            print(f"{part:8s} batch {b:3d}: " + "  ".join(f"{k[:-3]} {row[k]:8.2f} ms" for k, _, _ in modes(args))
+                  + f"  ({row['graph_replays']} replays)", flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2))
     if args.tp > 1 and "thinker" in args.parts:
@@ -196,9 +217,12 @@ def main() -> None:
         result[f"thinker_tp{args.tp}"] = tp_rows = thinker_tp(ckpt, args, batches)
         for r in tp_rows:
             one = next(x for x in result["rows"] if x["part"] == "thinker" and x["batch"] == r["batch"])
-            r["graph_vs_tp1"] = r["graph_ms"] / one["graph_ms"]
-            print(f"thinker  batch {r['batch']:3d} at TP={args.tp}: eager {r['eager_ms']:8.2f} ms  graphs "
-                  f"{r['graph_ms']:8.2f} ms  ({r['graph_vs_tp1']:.2f}x TP=1's graphs)", flush=True)
+            for k, graphs, _ in modes(args):
+                if graphs:
+                    r[k.replace("_ms", "_vs_tp1")] = r[k] / one[k]
+            print(f"thinker  batch {r['batch']:3d} at TP={args.tp}: " + "  ".join(
+                f"{k[:-3]} {r[k]:8.2f} ms" + (f" ({r[k] / one[k]:.2f}x TP=1's)" if g else "") for k, g, _ in modes(args)),
+                flush=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -8,6 +8,9 @@ Parameter names follow the checkpoint (``q_proj``, ``mlp.gate``...), experts sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -150,19 +153,7 @@ class Experts(nn.Module):
         return self._loop(x, index, weight)
 
     def _grouped_mm(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        t, k = index.shape
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        n = self.gate_up.shape[0]
-        # one bin past the experts: other ranks' pairs sort last, past every group's rows
-        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts[:n], 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
-        token = order // k
-        gate, up = torch._grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down.transpose(1, 2), offs=offs)
-        mine = (flat[order] < n)[:, None]  # rows past the last offset are not computed: never read them
-        scaled = torch.where(mine, y * weight.reshape(-1)[order, None].to(y.dtype), 0)
-        return torch.zeros_like(x).index_add_(0, token, scaled)
+        return grouped_experts(x, index, weight, self.gate_up, self.down)
 
     def _loop(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one matmul pair per expert that has any (the naive path: the
@@ -187,6 +178,34 @@ class Experts(nn.Module):
         return y.index_add_(0, token, scaled)
 
 
+def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """``Experts`` by two grouped GEMMs: (token, expert) pairs sorted by expert, one group each."""
+    t, k = index.shape
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    n = gate_up.shape[0]
+    # one bin past the experts: other ranks' pairs sort last, past every group's rows
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts[:n], 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
+    token = order // k
+    gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
+    mine = (flat[order] < n)[:, None]  # rows past the last offset are not computed: never read them
+    scaled = torch.where(mine, y * weight.reshape(-1)[order, None].to(y.dtype), 0)
+    return torch.zeros_like(x).index_add_(0, token, scaled)
+
+
+def route_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
+    logits = F.linear(x, router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return index, top.to(logits.dtype)
+
+
 class SparseMoe(nn.Module):
     """Top-k routed experts; with ``shared`` (the Talker) plus a sigmoid-gated shared expert."""
 
@@ -201,12 +220,15 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
-        logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top, index = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return index, top.to(logits.dtype)
+        return route_topk(x, self.gate.weight, self.top_k, self.norm_topk)
+
+    def fused(self, x: torch.Tensor, compiled: Any) -> torch.Tensor:
+        """``forward`` as one torch.compile'd function (``DecoderLayer.compiled``): the routing, the
+        grouped experts and the shared expert fused around their GEMMs."""
+        e, se = self.experts, self.shared_expert
+        shared = () if se is None else (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                                        self.shared_expert_gate.weight)  # type: ignore[union-attr]
+        return compiled_pieces(compiled)["moe"](x, self.gate.weight, e.gate_up, e.down, self.top_k, self.norm_topk, 0, *shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, *self.route(x), self.path)
@@ -231,10 +253,26 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.index = index
+        self.compiled: Any = None  # torch.compile's backend for ``_fused`` (``compile_layers``); None: eager
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        if self.compiled is not None and (not isinstance(self.mlp, SparseMoe) or self.mlp.path == "auto"):
+            return self._fused(x, cos, sin, ctx)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, self.index)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """``forward`` with the work between the GEMM-heavy parts in torch.compile'd functions: the
+        norm, projections, q/k norms and RoPE before the attention; the residual and norm after
+        o_proj; the MoE (``SparseMoe.fused``). The attention over the cache and any all-reduce
+        (tensor parallelism: o_proj's, the experts') stay outside, eager."""
+        fns, a, n1, n2 = compiled_pieces(self.compiled), self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        q, k, v = fns["attn_in"](x, cos, sin, n1.weight, n1.eps, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                                 a.q_norm.weight if a.q_norm is not None else None,
+                                 a.k_norm.weight if a.k_norm is not None else None, a.heads, a.kv_heads, a.head_dim)
+        x, h = fns["add_norm"](x, a.o_proj(ctx.attend(self.index, q, k, v).reshape(x.shape[0], -1)), n2.weight, n2.eps)
+        mlp = self.mlp.fused(h, self.compiled) if isinstance(self.mlp, SparseMoe) else self.mlp(h)
+        return x + mlp
 
 
 class Decoder(nn.Module):
@@ -260,3 +298,74 @@ class Decoder(nn.Module):
                 rows, feats = deepstack
                 x = x.index_add(0, rows, feats[i].to(x.dtype))
         return self.norm(x), captured
+
+
+# -- a decoder layer's pieces under torch.compile (``DecoderLayer._fused``) ---------------------------
+# Tensors as arguments, not modules: one compiled function serves every layer of a shape.
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def _attn_in(x, cos, sin, norm_w, eps: float, q_w, k_w, v_w, q_norm, k_norm, heads: int, kv_heads: int, head_dim: int):
+    n = x.shape[0]
+    h = _rms(x, norm_w, eps)
+    q, k = F.linear(h, q_w).view(n, heads, head_dim), F.linear(h, k_w).view(n, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), F.linear(h, v_w).view(n, kv_heads, head_dim)
+
+
+def _add_norm(x, delta, norm_w, eps: float):
+    x = x + delta
+    return x, _rms(x, norm_w, eps)
+
+
+def _moe(x, router, gate_up, down, top_k: int, norm_topk: bool, first: int, *shared):
+    """``SparseMoe.forward`` over experts ``[first, first + len(gate_up))``: all of them, or an
+    expert-parallel rank's share (another rank's expert weighs 0 here)."""
+    index, weight = route_topk(x, router, top_k, norm_topk)
+    n = gate_up.shape[0]
+    local = index - first
+    y = grouped_experts(x, torch.where((local >= 0) & (local < n), local, n), weight, gate_up, down)
+    if shared:
+        gate_w, up_w, down_w, shared_gate = shared
+        y = y + torch.sigmoid(F.linear(x, shared_gate)) * F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+    return y
+
+
+#: Dynamo's entries per compiled piece: past its default 8 (two decoders, a batch of 1 and more,
+#: prefill and decode shapes) dynamo would run the layer eagerly with only a warning
+RECOMPILE_LIMIT = 64
+_COMPILED: dict[Any, dict[str, Callable]] = {}
+
+
+def compiled_pieces(backend: Any) -> dict[str, Callable]:
+    if backend not in _COMPILED:
+        import torch._dynamo.config as dynamo
+
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        # rows symbolic from the first call: every batch bucket and prefill length reuses the kernels
+        _COMPILED[backend] = {f.__name__[1:]: torch.compile(f, backend=backend, dynamic=True, fullgraph=True)
+                              for f in (_attn_in, _add_norm, _moe)}
+    return _COMPILED[backend]
+
+
+def compile_layers(decoder: nn.Module, backend: Any = "inductor") -> None:
+    """Run ``decoder``'s layers as ``DecoderLayer._fused`` says, under torch.compile with ``backend``
+    (None: eagerly again). Its MoE is the grouped-GEMM path: refused where torch._grouped_mm is not.
+
+    Not on the served path yet: the node group steps the Thinker's and the Talker's engines on
+    threads of their own, and torch.compile is not thread-safe (its FX tracing patches
+    ``nn.Module.__call__`` process-wide: a pass on one engine's thread while the other compiles
+    fails, as the first served run did). Serving it needs every piece compiled before the engines
+    start (bench/results/qwen3_omni/README.md, 2026-11-26f)."""
+    for m in decoder.modules():
+        if backend is not None and isinstance(m, Experts):
+            w = m.down
+            if not grouped_mm_ok(*w.shape[1:], dtype=w.dtype, device=w.device):
+                raise ValueError(f"compiled decoder layers need torch._grouped_mm for {w.dtype} experts on {w.device}")
+        if isinstance(m, DecoderLayer):
+            m.compiled = backend

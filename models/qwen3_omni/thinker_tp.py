@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.qwen3_omni.config import DecoderConfig
-from mstar.models.qwen3_omni.layers import Experts, SparseMoe, SwiGLU
+from mstar.models.qwen3_omni.layers import Experts, SparseMoe, SwiGLU, compiled_pieces
 from mstar.models.qwen3_omni.thinker import Thinker
 
 
@@ -147,6 +148,12 @@ class ExpertParallelMoe(SparseMoe):
         local = index - self.first
         local = torch.where((local >= 0) & (local < n), local, n)  # n: another rank's expert
         return self.tp.all_reduce(self.experts(x, local, weight, self.path))
+
+    def fused(self, x: torch.Tensor, compiled: Any) -> torch.Tensor:
+        """``forward`` with this rank's share compiled (``SparseMoe.fused``), then the all-reduce."""
+        e = self.experts
+        return self.tp.all_reduce(compiled_pieces(compiled)["moe"](x, self.gate.weight, e.gate_up, e.down, self.top_k,
+                                                              self.norm_topk, self.first))
 
 
 def sharded_thinker(shard: ThinkerShard, tp) -> Thinker:

@@ -1,0 +1,87 @@
+"""The Thinker's and the Talker's decoder layers as served on a GPU (``compile_layers``): the work
+around their GEMMs and attention in three torch.compile'd pieces. Here dynamo runs them with the
+eager backend (the same ops), in bfloat16 on a CPU (torch._grouped_mm traces only in bfloat16):
+the engine's greedy tokens and the logits equal the eager layers', each piece is compiled once for
+every layer (not once a layer), and an expert-parallel rank's share maps the other ranks' experts
+out as the eager path does. What inductor makes of the pieces is measured on a GPU
+(``bench/qwen3_omni/decode_step.py --compiled``)."""
+
+import copy
+
+import pytest
+import torch
+from test_thinker_tp import run_engine, text_logits
+from torch._dynamo.testing import CompileCounter
+
+from mstar.models.qwen3_omni.cache import NoCache
+from mstar.models.qwen3_omni.layers import compile_layers, grouped_mm_ok
+from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine
+from mstar.models.qwen3_omni.thinker_tp import ExpertParallelMoe
+
+
+@pytest.fixture(scope="module")
+def bf16(parts):
+    """The tiny parts' Thinker and Talker in bfloat16 (copies: the session's stay fp32)."""
+    down = parts.thinker.model.layers[0].mlp.experts.down
+    if not grouped_mm_ok(*down.shape[1:], dtype=torch.bfloat16):
+        pytest.skip("this torch has no torch._grouped_mm (the compiled layers' MoE path)")
+    return copy.deepcopy(parts.thinker).to(torch.bfloat16), copy.deepcopy(parts.talker).to(torch.bfloat16)
+
+
+def _both(fn, decoder, counter):
+    with torch.inference_mode():
+        want = fn()
+        try:
+            compile_layers(decoder, counter)
+            got = fn()
+        finally:
+            compile_layers(decoder, None)
+    return want, got
+
+
+def test_thinker_engine_and_logits_as_eager(parts, bf16):
+    counter = CompileCounter()
+    cfg, thinker = parts.cfg, bf16[0]
+
+    def run():
+        engine = ThinkerEngine(thinker, cfg.accept_hidden_layer, 4, 64)
+        return text_logits(thinker, cfg), run_engine(engine, cfg)
+    (logits, res), (logits_c, res_c) = _both(run, thinker.model, counter)
+    torch.testing.assert_close(logits_c, logits, atol=1e-5, rtol=0)
+    assert res_c["tokens"] == res["tokens"]
+    for rid, rows in res["talker_rows"].items():
+        torch.testing.assert_close(res_c["talker_rows"][rid], rows, atol=1e-5, rtol=0)
+    # three pieces, each at most twice (prefill lengths; single-row steps): not per layer (3 here)
+    assert 3 <= counter.frame_count <= 6
+
+
+def test_talker_with_its_shared_expert_as_eager(parts, bf16):
+    talker = bf16[1]
+    x = torch.randn(9, parts.cfg.talker.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    pos = torch.arange(9).expand(3, -1)
+    want, got = _both(lambda: talker(x, pos, NoCache()), talker.model, CompileCounter())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+class _OneRank:
+    size = 1
+
+    @staticmethod
+    def all_reduce(x):
+        return x
+
+
+@pytest.mark.parametrize("first", [0, 2])
+def test_an_expert_parallel_share_maps_the_other_ranks_out(parts, bf16, first):
+    """A rank holding experts [first, first + 2) of 4: its compiled share equals its eager one
+    (other ranks' experts weigh 0 in both)."""
+    full = parts.thinker.model.layers[0].mlp
+    cfg = parts.cfg.text
+    moe = ExpertParallelMoe(cfg, range(first, first + 2), _OneRank())
+    moe.gate.weight.data.copy_(full.gate.weight)
+    moe.experts.gate_up.data.copy_(full.experts.gate_up[first:first + 2])
+    moe.experts.down.data.copy_(full.experts.down[first:first + 2])
+    moe = moe.to(torch.bfloat16)
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(moe.fused(x, CompileCounter()), moe(x), atol=1e-6, rtol=0)
