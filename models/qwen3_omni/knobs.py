@@ -24,6 +24,8 @@ class OmniServeConfig(Knobs):
     max_prefill_tokens: int = Field(8192, ge=1, description="prompt tokens the Thinker prefills in one step")
     cuda_graphs: bool = Field(True, description="the Thinker's and the Talker's decode steps and the code "
                               "predictor's frame replay CUDA graphs (on CUDA)")
+    compile: bool | None = Field(None, description="the Thinker's and the Talker's layers under torch.compile around "
+                                 "their GEMMs and attention, compiled at start (default: on a GPU; never on a CPU)")
     code2wav_chunk_frames: int = Field(10, ge=1, le=300, description="new codec frames per Code2Wav decode "
                                        "(12.5 a second); the reference decodes 300 at a time")
     code2wav_left_context_frames: int = Field(25, ge=0, le=300, description="earlier frames decoded as context "

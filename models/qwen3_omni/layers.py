@@ -267,6 +267,8 @@ class DecoderLayer(nn.Module):
         o_proj; the MoE (``SparseMoe.fused``). The attention over the cache and any all-reduce
         (tensor parallelism: o_proj's, the experts') stay outside, eager."""
         fns, a, n1, n2 = compiled_pieces(self.compiled), self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        if x._base is not None:  # dynamo guards a view's base: a view would be an entry of its own
+            x = x.clone()
         q, k, v = fns["attn_in"](x, cos, sin, n1.weight, n1.eps, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
                                  a.q_norm.weight if a.q_norm is not None else None,
                                  a.k_norm.weight if a.k_norm is not None else None, a.heads, a.kv_heads, a.head_dim)
@@ -357,11 +359,10 @@ def compile_layers(decoder: nn.Module, backend: Any = "inductor") -> None:
     """Run ``decoder``'s layers as ``DecoderLayer._fused`` says, under torch.compile with ``backend``
     (None: eagerly again). Its MoE is the grouped-GEMM path: refused where torch._grouped_mm is not.
 
-    Not on the served path yet: the node group steps the Thinker's and the Talker's engines on
-    threads of their own, and torch.compile is not thread-safe (its FX tracing patches
-    ``nn.Module.__call__`` process-wide: a pass on one engine's thread while the other compiles
-    fails, as the first served run did). Serving it needs every piece compiled before the engines
-    start (bench/results/qwen3_omni/README.md, 2026-11-26f)."""
+    A node group steps its engines on threads of their own, and torch.compile is not thread-safe
+    (its FX tracing patches ``nn.Module.__call__`` process-wide: a pass on one engine's thread while
+    another compiles fails, as a served run did: bench/results/qwen3_omni/README.md, 2026-11-26f).
+    So a node compiles every piece before its engine steps: ``warm_compiled``."""
     for m in decoder.modules():
         if backend is not None and isinstance(m, Experts):
             w = m.down
@@ -369,3 +370,16 @@ def compile_layers(decoder: nn.Module, backend: Any = "inductor") -> None:
                 raise ValueError(f"compiled decoder layers need torch._grouped_mm for {w.dtype} experts on {w.device}")
         if isinstance(m, DecoderLayer):
             m.compiled = backend
+
+
+def warm_compiled(forward: Callable[[torch.Tensor, torch.Tensor], Any], hidden: int, dtype: torch.dtype,
+                  device: torch.device | str) -> None:
+    """Compile every piece of the layers under ``compile_layers`` now, before any engine steps
+    (``compile_layers`` says why): ``forward(embeds [N, hidden], positions [3, N])`` is a pass of
+    the decoder over ``NoCache``. One row and more rows are two entries of each piece (dynamo
+    specialises a size of 1), under inference mode and under no_grad (the engines run both). On
+    tensor-parallel ranks every rank warms at once (the pieces' all-reduces pair up)."""
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            for n in (1, 2, 3):
+                forward(torch.zeros(n, hidden, dtype=dtype, device=device), torch.zeros(3, n, device=device))

@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 
 from mstar.models.base import EngineNode, NodeCall, NodeContext, NodeSubmodule
+from mstar.models.qwen3_omni.cache import NoCache
 from mstar.models.qwen3_omni.direct import load_parts
 from mstar.models.qwen3_omni.knobs import OmniServeConfig
+from mstar.models.qwen3_omni.layers import compile_layers, warm_compiled
 from mstar.models.qwen3_omni.sampling import Sampling
 from mstar.models.qwen3_omni.talker_engine import TalkerEngine, TalkerFeed, TalkerStart
 from mstar.models.qwen3_omni.thinker_engine import OmniOut, ThinkerEngine, ThinkerStart
@@ -42,6 +44,9 @@ class ThinkerNode(EngineNode):
         p = load_parts(checkpoint, ctx.device, dtype_of(ctx), ("thinker",), tp=tp)
         self.cfg, self.thinker = p.cfg, p.thinker
         assert self.thinker is not None
+        if ctx.compile:  # the layers' small kernels fused around their GEMMs and attention, compiled now
+            compile_layers(self.thinker.model)
+            warm_compiled(lambda e, pos: self.thinker(e, pos, NoCache()), p.cfg.text.hidden_size, dtype_of(ctx), ctx.device)
         self.engine = ThinkerEngine(self.thinker, p.cfg.accept_hidden_layer, kw.max_num_seqs, max_seq_len,
                                     kw.max_prefill_tokens, tp=tp, cuda_graphs=kw.cuda_graphs)
         with torch.inference_mode():
@@ -100,6 +105,9 @@ class TalkerNode(EngineNode):
         assert p.talker is not None
         self.cfg = p.cfg
         p.talker.code_predictor.cuda_graphs = kw.cuda_graphs
+        if ctx.compile:
+            compile_layers(p.talker.model)
+            warm_compiled(lambda e, pos: p.talker(e, pos, NoCache()), p.cfg.talker.hidden_size, dtype_of(ctx), ctx.device)
         self.engine = TalkerEngine(p.talker, p.specials(), kw.max_num_seqs, max_seq_len, kw.cuda_graphs)
         self.no_frame = torch.zeros(0, p.cfg.num_code_groups, dtype=torch.int64)
         log.info("qwen3-omni talker loaded from %s on %s", checkpoint, ctx.device)

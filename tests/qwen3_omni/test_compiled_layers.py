@@ -2,8 +2,9 @@
 around their GEMMs and attention in three torch.compile'd pieces. Here dynamo runs them with the
 eager backend (the same ops), in bfloat16 on a CPU (torch._grouped_mm traces only in bfloat16):
 the engine's greedy tokens and the logits equal the eager layers', each piece is compiled once for
-every layer (not once a layer), and an expert-parallel rank's share maps the other ranks' experts
-out as the eager path does. What inductor makes of the pieces is measured on a GPU
+every layer (not once a layer), ``warm_compiled`` leaves nothing to compile once the engine runs
+(torch.compile is not thread-safe: the engines' threads must never compile), and an
+expert-parallel rank's share maps the other ranks' experts out as the eager path does. What inductor makes of the pieces is measured on a GPU
 (``bench/qwen3_omni/decode_step.py --compiled``)."""
 
 import copy
@@ -14,7 +15,7 @@ from test_thinker_tp import run_engine, text_logits
 from torch._dynamo.testing import CompileCounter
 
 from mstar.models.qwen3_omni.cache import NoCache
-from mstar.models.qwen3_omni.layers import compile_layers, grouped_mm_ok
+from mstar.models.qwen3_omni.layers import compile_layers, grouped_mm_ok, warm_compiled
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine
 from mstar.models.qwen3_omni.thinker_tp import ExpertParallelMoe
 
@@ -53,6 +54,24 @@ def test_thinker_engine_and_logits_as_eager(parts, bf16):
         torch.testing.assert_close(res_c["talker_rows"][rid], rows, atol=1e-5, rtol=0)
     # three pieces, each at most twice (prefill lengths; single-row steps): not per layer (3 here)
     assert 3 <= counter.frame_count <= 6
+
+
+def test_warmed_layers_compile_nothing_while_the_engine_runs(parts, bf16):
+    """After ``warm_compiled`` (as the nodes run it at start) a whole engine run, prompts of
+    several lengths and decode steps of 1 to 4 rows, compiles no piece again."""
+    cfg, thinker = parts.cfg, bf16[0]
+    counter = CompileCounter()
+    try:
+        compile_layers(thinker.model, counter)
+        warm_compiled(lambda e, pos: thinker(e, pos, NoCache()), cfg.text.hidden_size, torch.bfloat16, "cpu")
+        warmed = counter.frame_count
+        assert warmed >= 3
+        with torch.inference_mode():
+            run_engine(ThinkerEngine(thinker, cfg.accept_hidden_layer, 4, 64), cfg)
+            text_logits(thinker, cfg)
+        assert counter.frame_count == warmed
+    finally:
+        compile_layers(thinker.model, None)
 
 
 def test_talker_with_its_shared_expert_as_eager(parts, bf16):
