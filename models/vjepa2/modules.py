@@ -4,7 +4,7 @@ checkpoints load as they are (after prefix clean-up); ``weights.py`` maps the Hu
 
 All blocks are pre-LayerNorm ViT blocks: fused qkv (with bias) -> 3-D RoPE -> attention -> proj,
 and an exact-erf GELU MLP. Tensors between a block's halves are token-major (``[B, N, heads,
-head_dim]``): FlashInfer takes them as they are, SDPA through transposed views.
+head_dim]``, as the qkv GEMM leaves them): SDPA takes them through transposed views.
 """
 
 from __future__ import annotations
@@ -384,3 +384,27 @@ class CachedAttend:
             outs.append(F.scaled_dot_product_attention(q[rows].transpose(1, 2), kc[:, :, :start + N],
                                                        vc[:, :, :start + N]).transpose(1, 2))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def warm_compiled(enc: Encoder | None, pred: MaskedPredictor | None, ac: ACPredictor | None) -> None:
+    """Compile the pieces of the networks under ``compile_blocks`` now (a node group's start)
+    rather than in the first requests, tens of seconds each on a GPU: each network on a small input
+    at one row and two, under inference mode and under no_grad (the nodes and the loop graphs' two);
+    the AC predictor also with two rollouts at different frames in one step (per-row RoPE tables)."""
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            for rows in (1, 2):
+                if enc is not None:
+                    c, w = enc.cfg, enc.norm.weight
+                    enc(torch.zeros(rows, c.in_chans, c.tubelet, c.crop, c.crop, dtype=w.dtype, device=w.device))
+                if pred is not None:
+                    w = pred.predictor_norm.weight
+                    ids = torch.arange(pred.enc.tokens_per_tubelet, device=w.device).expand(rows, -1)
+                    half = ids.shape[1] // 2
+                    pred(torch.zeros(rows, half, pred.enc.dim, dtype=w.dtype, device=w.device), ids[:, :half], ids[:, half:])
+                if ac is not None:
+                    w = ac.predictor_norm.weight
+                    frame = torch.zeros(rows, ac.enc.tokens_per_tubelet, ac.enc.dim, dtype=w.dtype, device=w.device)
+                    pose = torch.zeros(rows, ac.cfg.action_dim, device=w.device)
+                    caches = [ac.new_cache(1, 2) for _ in range(rows)]
+                    ac.step_many(frame, pose, pose, [(caches[0], 0)] if rows == 1 else [(caches[0], 1), (caches[1], 0)])

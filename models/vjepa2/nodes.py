@@ -22,6 +22,7 @@ from mstar.models.vjepa2.modules import (
     MaskedPredictor,
     attention_kernel,
     compile_blocks,
+    warm_compiled,
 )
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,11 @@ class Weights:
             mods = cls._cache[key] = weights.build(weights.read(path), ctx.device, dtype_of(ctx.model_kwargs, ctx.device))
             if mods[0] is not None:
                 mods[0].attend = attention_kernel(ctx.model_kwargs.get("attention"))
-            if ctx.compile:  # the blocks' halves: Triton's RoPE kernel, torch.compile
+            if ctx.compile:  # the blocks' halves: Triton's RoPE kernel, torch.compile; compiled now
                 for m in mods:
                     if m is not None:
                         compile_blocks(m)
+                warm_compiled(*mods)
             log.info("vjepa2: loaded %s on %s", path, ctx.device)
         return cls._cache[key]
 

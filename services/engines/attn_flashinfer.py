@@ -125,4 +125,3 @@ class FlashInferGraphDecode:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         return self._wrapper.run(q, (k_cache, v_cache))
-

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from mstar.models.vjepa2 import rope, weights
 from mstar.models.vjepa2.knobs import VJepa2Settings
-from mstar.models.vjepa2.modules import attention_kernel, compile_blocks, sdpa
+from mstar.models.vjepa2.modules import attention_kernel, compile_blocks, sdpa, warm_compiled
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +167,36 @@ def test_rollout_with_the_fused_first_half(ac_checkpoint):
             compile_blocks(pred, None)
     for w, o in zip(torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got), strict=True):
         torch.testing.assert_close(o, w, atol=1e-5, rtol=0)
+
+
+def test_warmed_networks_compile_nothing_when_served(nets, ac_checkpoint):
+    """After ``warm_compiled`` (a node group's start) clips of other sizes, another predictor split,
+    rollouts of several rows and two rollouts at different frames in one step compile nothing."""
+    pytest.importorskip("triton", reason="rope_triton needs the triton package")
+    from mstar.models.vjepa2 import rollout
+
+    enc, pred = nets
+    loaded = weights.read(ac_checkpoint)
+    ac = weights.build(loaded)[2]
+    counter = CompileCounter()
+    try:
+        for m in (enc, pred, ac):
+            compile_blocks(m, counter)
+        warm_compiled(enc, pred, ac)
+        warmed = counter.frame_count
+        assert warmed >= 2
+        g = torch.Generator().manual_seed(8)
+        P, E = loaded.config.encoder.tokens_per_tubelet, loaded.config.encoder.dim
+        with torch.inference_mode():
+            tokens = enc(torch.randn(3, 3, 4, 16, 16, generator=g))
+            pred(tokens[:, :20], torch.arange(20).expand(3, -1), torch.arange(20, 32).expand(3, -1))
+            ctx = rollout.normalize(torch.randn(3, 1, P, E, generator=g))
+            rollout.rollout(ac, ctx, torch.randn(3, 3, 7, generator=g) * 0.05, torch.zeros(3, 1, 7))
+            a = rollout.start(ac, ctx[:1], torch.zeros(1, 2, 7), torch.zeros(1, 1, 7), 2)
+            b = rollout.start(ac, ctx[1:], torch.zeros(2, 3, 7), torch.zeros(2, 1, 7), 3)
+            rollout.advance(ac, b, torch.zeros(2, 7))
+            rollout.advance_many(ac, [a, b], [torch.zeros(1, 7), torch.zeros(2, 7)])
+        assert counter.frame_count == warmed
+    finally:
+        for m in (enc, pred, ac):
+            compile_blocks(m, None)
