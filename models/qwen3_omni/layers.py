@@ -37,6 +37,12 @@ def grouped_mm_ok(*dims: int, dtype: torch.dtype = torch.float32, device: torch.
     return all((d * size) % 16 == 0 for d in dims)
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -44,10 +50,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _rms(x, self.weight, self.eps)
 
 
 def inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -305,12 +308,6 @@ class Decoder(nn.Module):
 # -- a decoder layer's pieces under torch.compile (``DecoderLayer._fused``) ---------------------------
 # Tensors as arguments, not modules: one compiled function serves every layer of a shape.
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-
-
 def _attn_in(x, cos, sin, norm_w, eps: float, q_w, k_w, v_w, q_norm, k_norm, heads: int, kv_heads: int, head_dim: int):
     n = x.shape[0]
     h = _rms(x, norm_w, eps)
@@ -376,8 +373,8 @@ def warm_compiled(forward: Callable[[torch.Tensor, torch.Tensor], Any], hidden: 
                   device: torch.device | str) -> None:
     """Compile every piece of the layers under ``compile_layers`` now, before any engine steps
     (``compile_layers`` says why): ``forward(embeds [N, hidden], positions [3, N])`` is a pass of
-    the decoder over ``NoCache``. One row and more rows are two entries of each piece (dynamo
-    specialises a size of 1), under inference mode and under no_grad (the engines run both). On
+    the decoder over ``NoCache``, at one row and more (dynamo may specialise a size of 1), under
+    inference mode and under no_grad (the engines run both: two entries of each piece). On
     tensor-parallel ranks every rank warms at once (the pieces' all-reduces pair up)."""
     for mode in (torch.inference_mode, torch.no_grad):
         with mode():
