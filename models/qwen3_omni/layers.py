@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.qwen3_omni.config import DecoderConfig
+from mstar.services.engines.compiled import compiled, owned
 
 #: without torch._grouped_mm, a step with at most this many (token, expert) pairs gathers each
 #: pair's expert weights (one batched matmul); larger ones loop over the experts hit
@@ -225,13 +226,13 @@ class SparseMoe(nn.Module):
         """x [T, H] -> each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
         return route_topk(x, self.gate.weight, self.top_k, self.norm_topk)
 
-    def fused(self, x: torch.Tensor, compiled: Any) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, backend: Any) -> torch.Tensor:
         """``forward`` as one torch.compile'd function (``DecoderLayer.compiled``): the routing, the
         grouped experts and the shared expert fused around their GEMMs."""
         e, se = self.experts, self.shared_expert
         shared = () if se is None else (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
                                         self.shared_expert_gate.weight)  # type: ignore[union-attr]
-        return compiled_pieces(compiled)["moe"](x, self.gate.weight, e.gate_up, e.down, self.top_k, self.norm_topk, 0, *shared)
+        return compiled(moe_share, backend)(x, self.gate.weight, e.gate_up, e.down, self.top_k, self.norm_topk, 0, *shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, *self.route(x), self.path)
@@ -269,13 +270,12 @@ class DecoderLayer(nn.Module):
         norm, projections, q/k norms and RoPE before the attention; the residual and norm after
         o_proj; the MoE (``SparseMoe.fused``). The attention over the cache and any all-reduce
         (tensor parallelism: o_proj's, the experts') stay outside, eager."""
-        fns, a, n1, n2 = compiled_pieces(self.compiled), self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        if x._base is not None:  # dynamo guards a view's base: a view would be an entry of its own
-            x = x.clone()
-        q, k, v = fns["attn_in"](x, cos, sin, n1.weight, n1.eps, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+        a, n1, n2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        x = owned(x)
+        q, k, v = compiled(_attn_in, self.compiled)(x, cos, sin, n1.weight, n1.eps, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
                                  a.q_norm.weight if a.q_norm is not None else None,
                                  a.k_norm.weight if a.k_norm is not None else None, a.heads, a.kv_heads, a.head_dim)
-        x, h = fns["add_norm"](x, a.o_proj(ctx.attend(self.index, q, k, v).reshape(x.shape[0], -1)), n2.weight, n2.eps)
+        x, h = compiled(_add_norm, self.compiled)(x, a.o_proj(ctx.attend(self.index, q, k, v).reshape(x.shape[0], -1)), n2.weight, n2.eps)
         mlp = self.mlp.fused(h, self.compiled) if isinstance(self.mlp, SparseMoe) else self.mlp(h)
         return x + mlp
 
@@ -305,8 +305,7 @@ class Decoder(nn.Module):
         return self.norm(x), captured
 
 
-# -- a decoder layer's pieces under torch.compile (``DecoderLayer._fused``) ---------------------------
-# Tensors as arguments, not modules: one compiled function serves every layer of a shape.
+# -- a decoder layer's pieces under torch.compile (``DecoderLayer._fused``; services/engines/compiled.py) --
 
 def _attn_in(x, cos, sin, norm_w, eps: float, q_w, k_w, v_w, q_norm, k_norm, heads: int, kv_heads: int, head_dim: int):
     n = x.shape[0]
@@ -322,7 +321,7 @@ def _add_norm(x, delta, norm_w, eps: float):
     return x, _rms(x, norm_w, eps)
 
 
-def _moe(x, router, gate_up, down, top_k: int, norm_topk: bool, first: int, *shared):
+def moe_share(x, router, gate_up, down, top_k: int, norm_topk: bool, first: int, *shared):
     """``SparseMoe.forward`` over experts ``[first, first + len(gate_up))``: all of them, or an
     expert-parallel rank's share (another rank's expert weighs 0 here)."""
     index, weight = route_topk(x, router, top_k, norm_topk)
@@ -335,31 +334,13 @@ def _moe(x, router, gate_up, down, top_k: int, norm_topk: bool, first: int, *sha
     return y
 
 
-#: Dynamo's entries per compiled piece: past its default 8 (two decoders, a batch of 1 and more,
-#: prefill and decode shapes) dynamo would run the layer eagerly with only a warning
-RECOMPILE_LIMIT = 64
-_COMPILED: dict[Any, dict[str, Callable]] = {}
-
-
-def compiled_pieces(backend: Any) -> dict[str, Callable]:
-    if backend not in _COMPILED:
-        import torch._dynamo.config as dynamo
-
-        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-        # rows symbolic from the first call: every batch bucket and prefill length reuses the kernels
-        _COMPILED[backend] = {f.__name__[1:]: torch.compile(f, backend=backend, dynamic=True, fullgraph=True)
-                              for f in (_attn_in, _add_norm, _moe)}
-    return _COMPILED[backend]
-
-
 def compile_layers(decoder: nn.Module, backend: Any = "inductor") -> None:
     """Run ``decoder``'s layers as ``DecoderLayer._fused`` says, under torch.compile with ``backend``
     (None: eagerly again). Its MoE is the grouped-GEMM path: refused where torch._grouped_mm is not.
 
-    A node group steps its engines on threads of their own, and torch.compile is not thread-safe
-    (its FX tracing patches ``nn.Module.__call__`` process-wide: a pass on one engine's thread while
-    another compiles fails, as a served run did: bench/results/qwen3_omni/README.md, 2026-11-26f).
-    So a node compiles every piece before its engine steps: ``warm_compiled``."""
+    A node group steps its engines on threads of their own and torch.compile is not thread-safe
+    (services/engines/compiled.py; a served run failed so: bench/results/qwen3_omni/README.md,
+    2026-11-26f), so a node compiles every piece before its engine steps: ``warm_compiled``."""
     for m in decoder.modules():
         if backend is not None and isinstance(m, Experts):
             w = m.down

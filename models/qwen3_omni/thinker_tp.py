@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.qwen3_omni.config import DecoderConfig
-from mstar.models.qwen3_omni.layers import Experts, SparseMoe, SwiGLU, compiled_pieces
+from mstar.models.qwen3_omni.layers import Experts, SparseMoe, SwiGLU, moe_share
 from mstar.models.qwen3_omni.thinker import Thinker
+from mstar.services.engines.compiled import compiled
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,11 @@ class ExpertParallelMoe(SparseMoe):
         local = torch.where((local >= 0) & (local < n), local, n)  # n: another rank's expert
         return self.tp.all_reduce(self.experts(x, local, weight, self.path))
 
-    def fused(self, x: torch.Tensor, compiled: Any) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, backend: Any) -> torch.Tensor:
         """``forward`` with this rank's share compiled (``SparseMoe.fused``), then the all-reduce."""
         e = self.experts
-        return self.tp.all_reduce(compiled_pieces(compiled)["moe"](x, self.gate.weight, e.gate_up, e.down, self.top_k,
-                                                              self.norm_topk, self.first))
+        return self.tp.all_reduce(compiled(moe_share, backend)(x, self.gate.weight, e.gate_up, e.down, self.top_k,
+                                                                 self.norm_topk, self.first))
 
 
 def sharded_thinker(shard: ThinkerShard, tp) -> Thinker:

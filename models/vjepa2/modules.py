@@ -21,14 +21,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mstar.models.vjepa2 import rope
 from mstar.models.vjepa2.config import ACConfig, EncoderConfig, PredictorConfig
+from mstar.services.engines.compiled import compiled, owned
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-#: Dynamo's entries for the compiled half (``compile_blocks``): its default, 8, is less than one
-#: deployment may need (two encoders, two predictors, each at batch 1 and past it, per-row RoPE
-#: tables), and past it dynamo would run the blocks eagerly with only a warning.
-RECOMPILE_LIMIT = 64
-
 #: q, k, v ``[B, N, heads, head_dim]`` (q and k rotated) -> ``[B, N, heads, head_dim]``
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -107,18 +103,16 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = sdpa) -> torch.Tensor:
         project, finish = _project, _finish
         if self.compiled is not None:
-            if x._base is not None:  # dynamo guards a view's base: views and the rest would be two entries
-                x = x.clone()
+            x = owned(x)
             # K/V straight to where the attention keeps them
-            project, finish = partial(_project_fused, kv_out=getattr(attend, "kv_out", None)), _compiled(self.compiled)
+            project, finish = partial(_project_fused, kv_out=getattr(attend, "kv_out", None)), compiled(_finish, self.compiled)
         n1, n2, a, m = self.norm1, self.norm2, self.attn, self.mlp
         q, k, v = project(x, cos, sin, n1.weight, n1.bias, n1.eps, a.qkv.weight, a.qkv.bias, a.heads)
         return finish(x, attend(q, k, v), a.proj.weight, a.proj.bias, n2.weight, n2.bias, n2.eps,
                       m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias)
 
 
-# The halves take the block's tensors as arguments (not the module): one compiled function then
-# serves every block of a shape, whatever torch version's guards make of module attributes.
+# The halves take the block's tensors as arguments (services/engines/compiled.py says why).
 
 def _project(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int):
     """x ``[B, N, dim]`` -> q, k, v ``[B, N, heads, head_dim]``; ``cos`` / ``sin`` broadcast
@@ -126,7 +120,7 @@ def _project(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int):
     B, N, C = x.shape
     h = F.layer_norm(x, (C,), norm_w, norm_b, eps)
     q, k, v = F.linear(h, qkv_w, qkv_b).view(B, N, 3, heads, C // heads).unbind(2)
-    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v.contiguous()
+    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
 
 
 def _project_fused(x, cos, sin, norm_w, norm_b, eps: float, qkv_w, qkv_b, heads: int, kv_out=None):
@@ -140,20 +134,6 @@ def _finish(x, attended, proj_w, proj_b, norm_w, norm_b, eps: float, fc1_w, fc1_
     x = x + F.linear(attended.flatten(2), proj_w, proj_b)
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps)
     return x + F.linear(F.gelu(F.linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
-
-
-_COMPILED: dict[Any, Callable] = {}
-
-
-def _compiled(backend: Any) -> Callable:
-    if backend not in _COMPILED:
-        import torch._dynamo.config as dynamo
-
-        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-        # batch and token counts symbolic from the first call: a new batch size or clip length
-        # reuses the kernels instead of compiling again
-        _COMPILED[backend] = torch.compile(_finish, backend=backend, dynamic=True, fullgraph=True)
-    return _COMPILED[backend]
 
 
 def compile_blocks(net: nn.Module, backend: Any = "inductor") -> None:
