@@ -341,11 +341,10 @@ def compile_layers(decoder: nn.Module, backend: Any = "inductor") -> None:
     A node group steps its engines on threads of their own and torch.compile is not thread-safe
     (services/engines/compiled.py; a served run failed so: bench/results/qwen3_omni/README.md,
     2026-11-26f), so a node compiles every piece before its engine steps: ``warm_compiled``."""
+    for m in decoder.modules() if backend is not None else ():
+        if isinstance(m, Experts) and not grouped_mm_ok(*m.down.shape[1:], dtype=m.down.dtype, device=m.down.device):
+            raise ValueError(f"compiled decoder layers need torch._grouped_mm for {m.down.dtype} experts on {m.down.device}")
     for m in decoder.modules():
-        if backend is not None and isinstance(m, Experts):
-            w = m.down
-            if not grouped_mm_ok(*w.shape[1:], dtype=w.dtype, device=w.device):
-                raise ValueError(f"compiled decoder layers need torch._grouped_mm for {w.dtype} experts on {w.device}")
         if isinstance(m, DecoderLayer):
             m.compiled = backend
 

@@ -104,3 +104,14 @@ def test_an_expert_parallel_share_maps_the_other_ranks_out(parts, bf16, first):
     x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     with torch.inference_mode():
         torch.testing.assert_close(moe.fused(x, CompileCounter()), moe(x), atol=1e-6, rtol=0)
+
+
+def test_compiled_layers_are_refused_without_grouped_mm(parts, bf16, monkeypatch):
+    """Their MoE is the grouped-GEMM path only: where torch._grouped_mm does not serve the experts'
+    dtype and device, compile_layers refuses instead of compiling a path that cannot run."""
+    import mstar.models.qwen3_omni.layers as layers
+
+    monkeypatch.setattr(layers, "grouped_mm_ok", lambda *a, **k: False)
+    with pytest.raises(ValueError, match="need torch._grouped_mm for torch.bfloat16 experts on cpu"):
+        compile_layers(bf16[0].model, CompileCounter())
+    assert all(getattr(m, "compiled", None) is None for m in bf16[0].model.layers)
