@@ -70,7 +70,7 @@ def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
         k, v = torch.empty_like(q), torch.empty_like(q)
     else:
         k, v = kv_out
-        if k.shape != q.shape or v.stride() != k.stride() or k.stride(3) != 1 or k.dtype != v.dtype:
+        if k.shape != q.shape or v.shape != q.shape or v.stride() != k.stride() or k.stride(3) != 1 or k.dtype != v.dtype:
             raise ValueError(f"kv_out must be two [B, N, heads, head_dim] views alike, got {tuple(k.shape)} / {tuple(v.shape)}")
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))
     _qkv_rope_kernel[grid](qkv, cos, sin, q, k, v, T, R, N, k.stride(0), k.stride(1), k.stride(2),

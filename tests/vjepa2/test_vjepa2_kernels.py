@@ -109,6 +109,10 @@ def test_qkv_rope_kernel_matches_the_expression(tables):
     assert not cache[:, :, :, :N].any() and not cache[:, :, :, 2 * N:].any()
     with pytest.raises(ValueError, match="RoPE tables of 7 rows for 80 tokens"):
         qkv_rope(qkv, cos.reshape(-1, hd)[:7], sin.reshape(-1, hd)[:7], H)
+    with pytest.raises(ValueError, match="qkv_rope needs dense"):
+        qkv_rope(qkv[:, ::2], cos, sin, H)
+    with pytest.raises(ValueError, match="kv_out must be two"):
+        qkv_rope(qkv, cos, sin, H, kv_out=(slots[0], slots[1][:1]))
 
 
 def test_qkv_rope_kernel_compiles_for_hopper():
@@ -200,3 +204,13 @@ def test_warmed_networks_compile_nothing_when_served(nets, ac_checkpoint):
     finally:
         for m in (enc, pred, ac):
             compile_blocks(m, None)
+
+
+@pytest.mark.parametrize("device,flag,on", [("cpu", None, False), ("cpu", True, False), ("cuda:0", None, True),
+                                           ("cuda:1", True, True), ("cuda:0", False, False)])
+def test_the_compile_knob(device, flag, on):
+    """``model_kwargs.compile`` (``NodeContext.compile``): on by default on a GPU, never on a CPU."""
+    from mstar.models.base import NodeContext
+
+    kwargs = {} if flag is None else {"compile": flag}
+    assert NodeContext("n", device, None, kwargs).compile is on
