@@ -2,7 +2,8 @@
 
 One place for the checks the gateway (REST) and the conductor (gRPC) both make on a client's
 values: JSON (depth, integer size, non-finite numbers, lone surrogates), request ids (they go
-into HTTP headers) and timeouts. Each failure is an ``Untrusted`` error (a ValueError) whose
+into HTTP headers), timeouts, and images (their size read from the header before any pixel is
+decoded). Each failure is an ``Untrusted`` error (a ValueError) whose
 message says what was wrong; the caller names the field.
 """
 
@@ -121,3 +122,29 @@ def check_timeout(value: float, max_s: float) -> None:
         raise Untrusted(f"must be a positive number of seconds (0: the server's default), got {value}")
     if value > max_s:
         raise Untrusted(f"{value:g} s exceeds this server's limit of {max_s:g} s")
+
+
+def open_image(data: bytes, max_pixels: int):
+    """A client's image file -> its PIL image, decoded only once the size its header declares is at
+    most ``max_pixels`` (a small compressed file can declare a huge image, whose RGB bytes and
+    resize cost memory and CPU in proportion). ``Untrusted`` otherwise: too large, or not a
+    decodable image. Needs Pillow."""
+    import io
+
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))  # the header only
+    except Image.DecompressionBombError as e:  # past Pillow's own bound, before ours could look
+        raise Untrusted(f"an image too large to decode ({e})") from None
+    except Exception as e:  # Pillow raises several kinds (UnidentifiedImageError, OSError, SyntaxError, ...)
+        raise Untrusted(f"not a decodable image ({type(e).__name__})") from None
+    w, h = image.size
+    if w * h > max_pixels:
+        image.close()
+        raise Untrusted(f"an image of {w}x{h} pixels; at most {max_pixels} pixels")
+    try:
+        image.load()
+    except Exception as e:
+        raise Untrusted(f"not a decodable image ({type(e).__name__})") from None
+    return image

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from mstar.limits import MAX_INPUT_PIXELS  # larger uploads are refused before decoding
+from mstar.untrusted import open_image
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,7 @@ def decode_rgb(data: bytes):
     """Bytes -> an RGB PIL image (transparent pixels over white). ValueError if unreadable."""
     from PIL import Image
 
-    try:
-        image = Image.open(io.BytesIO(data))
-        if image.size[0] * image.size[1] > MAX_INPUT_PIXELS:
-            raise ValueError(f"image of {image.size[0]}x{image.size[1]} pixels is larger than {MAX_INPUT_PIXELS} pixels")
-        image.load()
-    except ValueError:
-        raise
-    except Exception as e:
-        raise ValueError(f"not a readable image ({e})") from None
+    image = open_image(data, MAX_INPUT_PIXELS)
     if image.mode == "RGBA" or image.info.get("transparency") is not None:
         image = image.convert("RGBA")
         white = Image.new("RGB", image.size, (255, 255, 255))

@@ -3,10 +3,10 @@ S without distortion and padded with black, as openpi's ``resize_with_pad``."""
 
 from __future__ import annotations
 
-import io
-
 import torch
 import torch.nn.functional as F
+
+from mstar.untrusted import open_image
 
 #: the most pixels a camera image may declare (a 4K frame has 8.3M). Checked from the header,
 #: before decoding: a 2 MB JPEG of 12000 x 12000 would otherwise cost ~4 GB and seconds of the
@@ -31,20 +31,10 @@ def resize_with_pad(image: torch.Tensor, size: int) -> torch.Tensor:
 def decode_image(data: bytes, size: int) -> torch.Tensor:
     """Raises ValueError saying why when ``data`` is not an image."""
     try:
-        from PIL import Image
+        import PIL  # noqa: F401
     except ImportError as e:  # pragma: no cover - an install without the pi05 extra
         raise ValueError("decoding images needs Pillow (pip install 'mstar[pi05]')") from e
-    try:
-        img = Image.open(io.BytesIO(data))  # reads the header only
-    except Exception as e:  # Pillow raises several kinds (UnidentifiedImageError, OSError, ...)
-        raise ValueError(f"not a decodable image ({type(e).__name__})") from None
-    with img:
-        w, h = img.size
-        if w * h > MAX_IMAGE_PIXELS:
-            raise ValueError(f"an image of {w}x{h} pixels; at most {MAX_IMAGE_PIXELS} pixels (4096x4096)")
-        try:
-            rgb = img.convert("RGB")
-        except Exception as e:
-            raise ValueError(f"not a decodable image ({type(e).__name__})") from None
+    with open_image(data, MAX_IMAGE_PIXELS) as img:
+        rgb = img.convert("RGB")
     pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3)
     return resize_with_pad(pixels.permute(2, 0, 1).contiguous(), size)

@@ -22,6 +22,7 @@ from mstar.limits import MAX_INPUT_PIXELS
 from mstar.models.base import InputFile, InvalidArgument
 from mstar.models.qwen3_omni.audio import output_lengths
 from mstar.models.qwen3_omni.config import OmniConfig
+from mstar.untrusted import Untrusted, open_image
 
 SAMPLE_RATE = 16_000
 VIDEO_FPS = 2.0  # frames sampled per second of video (Qwen's default)
@@ -161,14 +162,10 @@ class MediaDecoder:
         return out["input_features"][0, :, :n].float()
 
     def _image(self, data: bytes, where: str) -> tuple[torch.Tensor, list[int]]:
-        from PIL import Image, UnidentifiedImageError
-
         try:
-            img = Image.open(io.BytesIO(data))
-            _check_pixels(img.width, img.height, where, "image")
-            img = img.convert("RGB")
-        except (UnidentifiedImageError, OSError) as e:
-            raise InvalidArgument(where, f"not a readable image ({e})") from None
+            img = open_image(data, MAX_INPUT_PIXELS).convert("RGB")
+        except Untrusted as e:
+            raise InvalidArgument(where, str(e)) from None
         out = self._processor(self.max_pixels)(images=[img], return_tensors="pt")
         return out["pixel_values"].float(), [int(x) for x in out["image_grid_thw"][0].tolist()]
 
@@ -235,7 +232,7 @@ class MediaDecoder:
                         if kept > MAX_VIDEO_FRAMES:
                             raise InvalidArgument(where, f"more than {MAX_VIDEO_FRAMES} frames at {VIDEO_FPS:g} fps")
                         next_t += 1.0 / VIDEO_FPS
-                        yield frame.to_image().convert("RGB")
+                        yield frame.to_image()  # RGB
         except InvalidArgument:  # (a ValueError: the limits above, not an unreadable file)
             raise
         except (av.error.FFmpegError, IndexError, ValueError) as e:
@@ -246,7 +243,7 @@ class MediaDecoder:
 
 def _check_pixels(width: int, height: int, where: str, what: str) -> None:
     if width * height > MAX_INPUT_PIXELS:
-        raise InvalidArgument(where, f"{what} of {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels (8192x8192)")
+        raise InvalidArgument(where, f"{what} of {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels")
 
 
 def _is_mp3(f: InputFile) -> bool:
