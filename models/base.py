@@ -256,7 +256,7 @@ class NodeContext:
     device: str
     cache_dir: str | None
     model_kwargs: dict[str, Any]
-    tp: Any = None  # a TPSpec when the node group has tp_size > 1: join it (see EngineNode.tensor_parallel)
+    tp: Any = None  # a TPSpec when the node group has tp_size > 1: join it (see NodeSubmodule.tensor_parallel)
     #: the walks this node group serves the node for (a node placed on two groups with
     #: graph_walks serves some walks on each: e.g. prefill here, decode there); empty: unknown
     walks: frozenset[str] = frozenset()

@@ -44,6 +44,8 @@ class BagelLM:
         the caches stay alike, and each pass's non-causal rows are split over the ranks."""
         self.cfg, self.llm, self.adapter = cfg, llm, adapter
         self.group = sequence_parallel
+        #: a rank past 0: it makes rank 0's passes for their caches and K/V; their results are rank 0's
+        self.follower = self.group is not None and not self.group.leader
         if self.group is not None:
             llm.shard_over(self.group)
         self.engine = KVCacheEngine(llm, engine_config, page_group=self.group)
@@ -134,6 +136,8 @@ class BagelLM:
         hidden = torch.cat(self._pass(items, None, causal=True))
         for rid, _, _ in steps:
             self._ctx(rid).ropes["main"] += 1
+        if self.follower:  # no logits: a vocabulary-wide GEMM and a host sync a token, for nothing
+            return []
         return self.llm.compute_logits(hidden).argmax(dim=-1).tolist()
 
     def rewind(self, rid: str) -> None:
@@ -160,6 +164,8 @@ class BagelLM:
                                          positions=torch.full((len(seq),), self._ctx(rid).ropes[label])))
                 rows.append(_middle_rows(len(seq)))
         hidden = iter(self._pass(items, torch.cat(rows), causal=False))
+        if self.follower:
+            return []
         return [{label: self.adapter.llm2vae(next(hidden)[1:-1]).float() for label in labels}
                 for _, _, _, _, labels in steps]
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mstar.models.bagel.config import LLMConfig
+from mstar.services.engines.attention import AttentionBatch
 from mstar.services.engines.kernels import Ops
 from mstar.services.engines.layers import ForwardContext, FusedProjections, RMSNorm, RotaryEmbedding
 
@@ -166,21 +167,35 @@ class BagelLLM(nn.Module):
         n = embeds.shape[0]
         if self._gen_rows is not None and self._gen_rows.shape[0] != n:
             raise ValueError(f"routing names {self._gen_rows.shape[0]} rows; the pass has {n}")
-        sp = self.sequence_parallel
-        if sp is not None and ctx.attn is not None and not ctx.attn.causal:
-            m = -(-n // sp.size)
-            if (sp.size - 1) * m < n:  # every rank has rows
-                return self._sharded(embeds, positions, ctx, sp, m)
+        split = self._split(ctx.attn)
+        if split is not None:
+            return self._sharded(embeds, positions, ctx, self.sequence_parallel, *split)
         route = Routing(self._gen_rows, embeds.device)
         h = embeds
         for layer in self.layers:
             h = layer(h, positions, ctx, route)
         return route.apply(h, lambda t: norm(ctx.ops, self.norm, t), lambda t: norm(ctx.ops, self.norm_gen, t))
 
-    def _sharded(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, sp, m: int) -> torch.Tensor:
+    def _split(self, attn: AttentionBatch | None) -> tuple[int, int, int] | None:
+        """(m, lo, hi): this rank's rows [lo, hi) of a pass split m a rank; None: the pass runs whole
+        (no group, a causal pass, a captured graph, or too few rows for every rank to have some)."""
+        sp = self.sequence_parallel
+        if sp is None or attn is None or attn.causal:
+            return None
+        n = attn.num_tokens
+        m = -(-n // sp.size)
+        if (sp.size - 1) * m >= n:
+            return None
+        return m, sp.rank * m, min(n, (sp.rank + 1) * m)
+
+    def attention_share(self, attn: AttentionBatch) -> AttentionBatch:
+        """What the engine plans for a pass (``ModelRunner``): this rank's queries of a split pass."""
+        split = self._split(attn)
+        return attn if split is None else attn.query_rows(*split[1:])
+
+    def _sharded(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, sp, m: int, lo: int,
+                 hi: int) -> torch.Tensor:
         n = embeds.shape[0]
-        lo, hi = sp.rank * m, min(n, (sp.rank + 1) * m)
-        ctx.backend.plan(ctx.attn.query_rows(lo, hi))
         route = Routing(self._gen_rows[lo:hi] if self._gen_rows is not None else None, embeds.device)
 
         def whole(x: torch.Tensor, dim: int) -> torch.Tensor:

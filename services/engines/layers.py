@@ -50,8 +50,8 @@ class ForwardContext:
     # with fused_norms: qkv and o_proj (+ residual add) as Triton kernels (gemm_triton.linear /
     # linear_add_; their weights stored row-major) instead of cuBLAS
     triton_proj: bool = False
-    # the pass's attention batch, as planned (a model that splits the pass's query rows over
-    # ranks plans its share from it: AttentionBatch.query_rows); None in captured decode graphs
+    # the pass's whole attention batch (the backend planned the model's ``attention_share`` of it
+    # when the model has one); None in captured decode graphs
     attn: AttentionBatch | None = None
 
 

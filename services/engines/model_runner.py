@@ -98,7 +98,8 @@ class ModelRunner:
         n = inputs.num_rows
         if inputs.padded_rows != n:
             raise ValueError("padded step inputs without a captured graph")
-        self.backend.plan(inputs.attn)
+        share = getattr(self.model, "attention_share", None)  # a model that runs part of the pass's queries
+        self.backend.plan(share(inputs.attn) if share is not None else inputs.attn)
         ctx = ForwardContext(self.backend, self.cache.kv, h2d(inputs.attn.slots, self.device), self.ops,
                              attn=inputs.attn)
         return self.model(embeds.to(self.device), h2d(inputs.positions, self.device), ctx)

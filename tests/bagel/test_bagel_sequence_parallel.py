@@ -1,8 +1,10 @@
-"""BAGEL with its LLM sequence-parallel over two ranks (configs/sequence_parallel_2gpu.yaml, the
-group's ranks as real processes on the CPU over gloo): each image block and flow step is split by
-rows, the ranks exchange K/V every layer, and text-to-image, editing, understanding and think mode
-give what the reference gave (the same checks as the one-group mesh). Also: a pass's query rows
-split over ranks attend exactly as the whole pass does."""
+"""BAGEL with its LLM sequence-parallel (the group's ranks as real processes on the CPU over gloo):
+three ranks in one pipeline, and two in a launched mesh (configs/sequence_parallel_2gpu.yaml).
+Each image block and flow step is split by rows, the ranks exchange K/V every layer, and
+text-to-image, editing, understanding and think mode give what the reference gave (the same
+checks as the one-group mesh). Also: a pass's query rows split over ranks attend exactly as the
+whole pass does; a pass too small for every rank to have rows runs whole; the routing's shortcut
+for a few understanding rows among many generation rows gives what routing each row does."""
 
 import asyncio
 from pathlib import Path
@@ -49,6 +51,40 @@ def test_query_rows_attend_as_the_whole_pass():
         AttentionBatch(qo, batch.table, batch.slots, causal=True).query_rows(0, 5)
 
 
+def test_a_pass_splits_only_when_every_rank_has_rows():
+    from types import SimpleNamespace
+
+    from mstar.models.bagel.llm import BagelLLM
+
+    qo = torch.tensor([0, 4], dtype=torch.int32)
+    four = AttentionBatch(qo, build_csr([[0, 1]], (8,), 4), torch.arange(4), causal=False)
+    five = AttentionBatch(torch.tensor([0, 5], dtype=torch.int32), build_csr([[0, 1]], (8,), 4), torch.arange(5),
+                          causal=False)
+    for rank in range(3):
+        llm = SimpleNamespace(sequence_parallel=SimpleNamespace(size=3, rank=rank))
+        assert BagelLLM._split(llm, four) is None  # 2 rows a rank: the third would have none
+        assert BagelLLM._split(llm, five) == (2, 2 * rank, min(5, 2 * rank + 2))
+        causal = AttentionBatch(qo, four.table, four.slots, causal=True)
+        assert BagelLLM._split(llm, causal) is None and BagelLLM._split(llm, None) is None
+        llm._split = lambda attn, llm=llm: BagelLLM._split(llm, attn)
+        assert BagelLLM.attention_share(llm, four) is four
+        assert BagelLLM.attention_share(llm, five).num_tokens == min(5, 2 * rank + 2) - 2 * rank
+
+
+def test_few_understanding_rows_route_as_each_row_does():
+    from mstar.models.bagel.llm import MINORITY, Routing
+
+    gen = torch.ones(2 * MINORITY + 1, dtype=torch.bool)
+    gen[[0, 7]] = False
+    route = Routing(gen, torch.device("cpu"))
+    assert route.few_und
+    x = torch.randn(gen.shape[0], 6, generator=torch.Generator().manual_seed(1))
+    und, generate = (lambda t: t * 2 + 1), (lambda t: t.flip(-1) - 3)
+    fast = route.apply(x, und, generate)
+    route.few_und = False
+    torch.testing.assert_close(fast, route.apply(x, und, generate), rtol=0, atol=0)
+
+
 def _rank_main(rank: int, ckpt: str, fits: tuple, init: str, out: str) -> None:
     from test_bagel_reference import scenario_image
 
@@ -61,7 +97,7 @@ def _rank_main(rank: int, ckpt: str, fits: tuple, init: str, out: str) -> None:
     group = TensorParallel(TPSpec(rank, 3, init), "cpu")
     pipe = BagelPipeline(ckpt, vae_fit=Fit(*fits[0]), vit_fit=Fit(*fits[1]), sequence_parallel=group)
     split, sharded = [], pipe.lm.llm._sharded
-    pipe.lm.llm._sharded = lambda embeds, *a: split.append((embeds.shape[0], a[-1])) or sharded(embeds, *a)
+    pipe.lm.llm._sharded = lambda embeds, *a: split.append((embeds.shape[0], *a[-2:])) or sharded(embeds, *a)
     if rank == 0:
         p = FlowParams(48, 80, num_timesteps=6, cfg_text=4.0, cfg_img=2.0, interval=(0.0, 1.0))
         res = {"t2i": pipe.run("text_to_image", "a red cube", params=p, seed=3).latent,
@@ -102,10 +138,13 @@ def test_three_ranks_give_the_one_rank_results(ckpt_dir, reference, pipeline, tm
     # t2i: 5 flow steps of 3 branches, 3·5 latents + 2 markers an item; edit: its ViT and VAE blocks, then 5
     # steps of 3 branches (the fitted image's 2·3 latents + 2); understanding: its ViT block
     splits = [got["split"]] + [torch.load(f"{out}.{r}")["split"] for r in (1, 2)]
-    assert all(s == splits[0] for s in splits)
-    rows = [n for n, _ in splits[0]]
+    rows = [n for n, _, _ in splits[0]]
+    assert all([n for n, _, _ in s] == rows for s in splits)
     assert len(rows) == 5 + 2 + 5 + 1 and rows[:5] == [3 * 17] * 5 and rows[7:12] == [3 * 8] * 5
-    assert all(m == -(-n // 3) for n, m in splits[0])
+    for i, n in enumerate(rows):  # the ranks' shares of each pass tile its rows, in rank order, none empty
+        shares = [s[i][1:] for s in splits]
+        assert shares[0][0] == 0 and shares[-1][1] == n and all(lo < hi for lo, hi in shares)
+        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:], strict=False))
     assert got["held"] == [] and all(torch.load(f"{out}.{r}")["held"] == [] for r in (1, 2))
 
 
