@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,12 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+#: the launcher's ready line: model, REST url, gRPC address (``LauncherProcess.wait_lines``)
+READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
+#: the launcher's metrics line: JSON of each service's metrics url
+METRICS = re.compile(r"M\* metrics: (\{.*\})")
 
 
 class LauncherProcess:

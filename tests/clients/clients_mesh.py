@@ -4,12 +4,10 @@ tests: conftest.py's shared toy mesh and the robot models' own (test_sdk_robot.p
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 
-from helpers import LauncherProcess
+from helpers import READY, LauncherProcess
 
-READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 START_TIMEOUT_S = 60.0
 
 

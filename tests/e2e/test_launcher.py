@@ -17,10 +17,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
-from helpers import LauncherProcess, rot13
+from helpers import READY, LauncherProcess, rot13
 
 pytestmark = pytest.mark.e2e
-READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
 
 
 class Served(LauncherProcess):

@@ -10,10 +10,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import LauncherProcess
+from helpers import METRICS, READY, LauncherProcess
 
-READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
-METRICS = re.compile(r"M\* metrics: (\{.*\})")
 SECURITY = re.compile(r"M\* security: internal gRPC ([\d.:]+) \((mutual TLS, (\S+)|PLAINTEXT[^)]*)\); API keys (\w+)")
 ENVOY = re.compile(r"M\* envoy: (http://[\d.:]+) \(REST and gRPC; admin (http://[\d.:]+); xDS ([\d.:]+); targets (\S+)\)")
 

@@ -4,14 +4,11 @@ on uvloop, where the NaN timeout failed) for the security tests."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
-from helpers import LauncherProcess
+from helpers import METRICS, READY, LauncherProcess
 
-READY = re.compile(r"M\* ready: model '(\w+)' at (http://[\d.:]+) \(gRPC ([\d.:]+);")
-METRICS = re.compile(r"M\* metrics: (\{.*\})")
 START_TIMEOUT_S = 60.0
 MAX_INFLIGHT = 8  # small: a leaked admission slot shows within a few requests
 
