@@ -20,7 +20,7 @@ from functools import partial
 
 import grpc
 
-from mstar import auth, metrics, untrusted
+from mstar import auth, env, metrics, untrusted
 from mstar import tls as mtls
 from mstar.conductor import act
 from mstar.conductor.convert import fill_chunk, invalid_argument_status, prompt_from_request
@@ -426,6 +426,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [conductor] %(name)s: %(message)s")
+    env.apply_torch_threads(1)  # its prompt threads' small ops (image decode, features) each on one thread
     run_service(serve(args))
 
 

@@ -60,6 +60,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-nvtx", action="store_true",
                    help="NVTX ranges around node forwards, engine steps and tensor transfers in every service, for a "
                         "GPU profiler (needs CUDA; also MSTAR_NVTX=1; default off)")
+    p.add_argument("--torch-profile", metavar="DIR",
+                   help="arm a torch.profiler trace in each node group: SIGUSR1 to its process starts a recording "
+                        "(CPU ops of every thread, CUDA kernels, the NVTX spans as ranges), the next SIGUSR1 or "
+                        "MSTAR_TORCH_PROFILE_S seconds (default 60) ends it; written as "
+                        "<group>-<pid>-<k>.trace.json.gz and .ops.txt into DIR (also MSTAR_TORCH_PROFILE=DIR; "
+                        "default off; bench/trace_gaps.py summarises one)")
     p.add_argument("--socket-path-prefix", metavar="PREFIX",
                    help="prefix of this mesh's shared-memory segment names in /dev/shm (default mstar-<launcher "
                         "pid>-); meshes sharing a host or /dev/shm need prefixes that do not overlap")
@@ -93,6 +99,9 @@ def _serve_settings(args: argparse.Namespace) -> dict:
     out: dict = {"nvtx": args.enable_nvtx or settings().nvtx}
     if out["nvtx"]:
         require_cuda()
+    profile = args.torch_profile or settings().torch_profile
+    if profile:
+        out["torch_profile"] = str(Path(profile).expanduser().resolve())
     if args.socket_path_prefix is not None:
         out["shm_prefix"] = check_prefix(args.socket_path_prefix)
     if args.upload_dir is not None:

@@ -62,6 +62,7 @@ class LaunchOptions:
     download: bool = False  # fetch checkpoints missing from the local caches (mstar.models.hub)
     shm_prefix: str | None = None  # shared-memory segment names' prefix (None: mstar-<launcher pid>-)
     nvtx: bool = False  # MSTAR_NVTX=1 for every service (the caller checked that CUDA is there)
+    torch_profile: str | None = None  # MSTAR_TORCH_PROFILE: node groups' torch.profiler traces go there
     upload_dir: str | None = None  # where the gateway spills large uploads (None: they stay in memory)
     upload_spill_mb: float = 1.0  # a file part larger than this goes to upload_dir
     upload_dir_max_mb: float = 1024.0  # the most the gateway keeps in upload_dir at once
@@ -228,7 +229,8 @@ class Mesh:
 
     def environment(self) -> dict[str, str]:
         """What every service's environment adds to the launcher's."""
-        return {"MSTAR_SHM_PREFIX": self.shm_prefix, **({"MSTAR_NVTX": "1"} if self.opts.nvtx else {})}
+        return {"MSTAR_SHM_PREFIX": self.shm_prefix, **({"MSTAR_NVTX": "1"} if self.opts.nvtx else {}),
+                **({"MSTAR_TORCH_PROFILE": self.opts.torch_profile} if self.opts.torch_profile else {})}
 
     def start(self) -> None:
         # a SIGKILLed launcher takes its services with it: each one's lifetime.adopt() (mstar/lifetime.py)

@@ -70,6 +70,22 @@ def span(name: str):
     return _Span(name) if _push is not None else NULL
 
 
+def stacked(push: Callable[[str], object], pop: Callable[[], object]):
+    """(push, pop) that do the current ranges' and then these, popping in reverse (NVTX ranges and
+    a profiler's at once)."""
+    p0, q0 = _push, _pop
+    assert p0 is not None and q0 is not None
+
+    def both_push(name: str) -> None:
+        p0(name)
+        push(name)
+
+    def both_pop() -> None:
+        pop()
+        q0()
+    return both_push, both_pop
+
+
 def from_settings() -> None:
     """Each service calls this once at start (MSTAR_NVTX)."""
     configure(settings().nvtx)

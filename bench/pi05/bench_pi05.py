@@ -91,7 +91,8 @@ class Engine:
     @torch.inference_mode()
     def vision(self, images, image_mask):
         cfg = self.policy.cfg
-        return encode_present(self.vision_graphs, images, image_mask, cfg.vision.tokens, cfg.prefix.width, self.dtype)
+        return encode_present(self.vision_graphs, images, image_mask, cfg.vision.tokens, cfg.prefix.width, self.dtype,
+                              images.device)
 
     def prefix(self, image_tokens, image_mask, tokens, token_mask):
         out = self.prefix_graphs.run({"image_tokens": image_tokens, "image_mask": image_mask, "tokens": tokens,

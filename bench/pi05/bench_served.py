@@ -54,7 +54,7 @@ def write_checkpoint(root: Path, tiny: bool) -> Path:
     return d
 
 
-def start_mesh(root: Path, ckpt: Path, device: str):
+def start_mesh(root: Path, ckpt: Path, device: str, torch_profile: str | None = None):
     from mstar.config import load_config
     from mstar.launcher import LaunchOptions, Mesh
 
@@ -63,9 +63,32 @@ def start_mesh(root: Path, ckpt: Path, device: str):
                                "node_groups": [{"name": "pi05", "node_names": ["vit_encoder", "llm_prefix", "action_expert"],
                                                 "ranks": [0]}]}))
     mesh = Mesh(load_config(cfg), LaunchOptions(cfg, port=0, grpc_port=0, gpus=[0] if device == "cuda" else None,
-                                                cache_dir=str(root), log_level="WARNING", startup_timeout_s=900))
+                                                cache_dir=str(root), log_level="WARNING", startup_timeout_s=900,
+                                                torch_profile=torch_profile))
     mesh.start()
     return mesh
+
+
+def profiled(mesh, folder: Path, requests: int) -> dict:
+    """``requests`` more at one client while the node group records a torch.profiler trace (SIGUSR1
+    starts and stops it: mstar/torch_profile.py); waits until it is written. Their latencies (the
+    profiler slows the host side) and the trace's files."""
+    import os
+    import signal
+
+    groups = [s.proc.pid for s in mesh.services if s.kind == "node_group"]
+    for pid in groups:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.5)  # the signal is handled on the group's event loop
+    out = asyncio.run(grpc_levels(mesh.conductor_address, requests, 0, [], {}))["grpc_1"]
+    for pid in groups:
+        os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 300
+    while len(list(folder.glob("*.ops.txt"))) < len(groups):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the node groups' torch profiles did not appear in {folder} within 300 s")
+        time.sleep(0.5)
+    return out | {"files": sorted(p.name for p in folder.iterdir())}
 
 
 def act_request(seed: int):
@@ -179,6 +202,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--concurrency", default="4,16")
+    ap.add_argument("--torch-profile", metavar="DIR", help="the node group's torch.profiler trace into DIR (mstar "
+                    "serve --torch-profile) over --requests more at one client after the timed levels; summarise it "
+                    "with bench/trace_gaps.py")
     ap.add_argument("--root", help="where the checkpoint is written (default: a temporary folder)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -193,13 +219,15 @@ def main() -> None:
 
             result["device"] = torch.cuda.get_device_name(0)
         t0 = time.perf_counter()
-        mesh = start_mesh(root, ckpt, args.device)
+        mesh = start_mesh(root, ckpt, args.device, args.torch_profile)
         result["startup_s"] = time.perf_counter() - t0
         try:
             gateway = next(s for s in mesh.services if s.kind == "gateway")
             levels = [int(c) for c in args.concurrency.split(",") if c]
             result |= asyncio.run(grpc_levels(mesh.conductor_address, args.requests, args.warmup, levels,
                                               mesh.metrics_urls()))
+            if args.torch_profile:
+                result["profiled"] = profiled(mesh, Path(args.torch_profile), args.requests)
             result |= asyncio.run(gateway_level(f"http://{gateway.address}", args.requests, args.warmup))
         finally:
             mesh.stop()

@@ -171,11 +171,13 @@ class GemmaLayer(nn.Module):
         self.cfg = cfg
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h [B, T, width] (normed) -> q [B, heads, T, D], k / v [B, kv_heads, T, D], RoPE applied."""
+        """h [B, T, width] (normed), cos / sin [B, T, D] -> q [B, T, heads, D] (the projection's own
+        layout: no transpose), k / v [B, kv_heads, T, D] (the cache's), RoPE applied."""
         b, t, _ = h.shape
         c, d = self.cfg, self.cfg.head_dim
         q, k, v = self.self_attn.fused(h).view(b, t, -1, d).split([c.heads, c.kv_heads, c.kv_heads], dim=2)
-        return rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+        cq, sq = cos[:, :, None], sin[:, :, None]
+        return rope(q, cq, sq), rope(k, cq, sq).transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 kv_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,21 +191,25 @@ class GemmaLayer(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention, one softmax over all keys: q [B, H, T, D], k / v [B, Hkv, S, D],
-    ``mask`` additive, broadcastable to [B, 1, T, S] -> [B, T, H * D]. The query heads of a KV head
-    are folded into its rows (no K/V copies).
+    """Grouped-query attention, one softmax over all keys: q [B, T, H, D], k / v [B, Hkv, S, D],
+    ``mask`` additive, broadcastable to [B, 1, T, S] -> [B, T, H * D].
 
-    Written out as the reference's eager attention is (scores in the activations' dtype, softmax in
-    fp32): two GEMMs and one fused softmax under torch.compile. A fused SDPA kernel is slower at
-    these shapes: one KV head and few query rows give it a handful of thread blocks (cuDNN's took
-    58 us a layer for the expert's 400 x 1018 scores at batch 1 on an H100)."""
-    b, h, t, d = q.shape
+    The query heads of a KV head are folded into its rows in (token, head) order: with one KV head
+    (Gemma's) q and the result are views of the projections' [B, T, H * D] layout, so no transpose
+    is copied on either side, and no K / V are repeated. Written out as the reference's eager
+    attention is (scores in the activations' dtype, softmax in fp32): two GEMMs and one fused
+    softmax under torch.compile. A fused SDPA kernel is slower at these shapes: one KV head and few
+    query rows give it a handful of thread blocks (cuDNN's took 58 us a layer for the expert's
+    400 x 1018 scores at batch 1 on an H100)."""
+    b, t, h, d = q.shape
     hkv = k.shape[1]
-    qf = q.reshape(b, hkv, (h // hkv) * t, d)
-    m = mask if mask.shape[-2] == 1 else mask.repeat(1, 1, h // hkv, 1)  # a key-only mask broadcasts
+    g = h // hkv
+    qf = q.view(b, t, hkv, g, d).transpose(1, 2).reshape(b, hkv, t * g, d)
+    m = mask if mask.shape[-2] == 1 else mask.repeat_interleave(g, dim=-2)  # a key-only mask broadcasts
     scores = torch.matmul(qf, k.transpose(-1, -2)) * d**-0.5
     weights = torch.softmax(scores.float() + m, dim=-1).to(v.dtype)
-    return torch.matmul(weights, v).reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+    out = torch.matmul(weights, v).view(b, hkv, t, g, d)
+    return out.transpose(1, 2).reshape(b, t, h * d)
 
 
 def rope_inv_freq(cfg: GemmaConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -212,9 +218,9 @@ def rope_inv_freq(cfg: GemmaConfig, device: torch.device | str | None = None) ->
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos / sin [B, 1, T, D] for integer positions [B, T] (angles in fp32)."""
+    """cos / sin [B, T, D] for integer positions [B, T] (angles in fp32)."""
     freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

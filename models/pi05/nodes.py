@@ -59,19 +59,24 @@ def prefix_length(cfg: Pi05Config) -> int:
 
 
 def encode_present(graphs: LoopGraphs, images: torch.Tensor, image_mask: torch.Tensor, tokens: int,
-                   width: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, cameras, 3, S, S] uint8 and the mask -> [B, cameras * T, W]: the present cameras of every
-    request in one batch (``graphs``), zeros where a camera is missing."""
+                   width: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """[B, cameras, 3, S, S] uint8 and the mask -> [B, cameras * T, W] on ``device``: the present
+    cameras of every request in one batch (``graphs``), zeros where a camera is missing. Given on
+    the host (as a node gets them), only the present images are uploaded and nothing waits for
+    the GPU: the rows are picked by index on the host."""
     b, c = image_mask.shape
-    out = torch.zeros(b, c, tokens, width, dtype=dtype, device=images.device)
-    present = image_mask.cpu()
-    if present.any():
-        out[image_mask] = graphs.run({"images": images[image_mask]})["tokens"]
-    return out.flatten(1, 2)
+    rows = image_mask.cpu().flatten().nonzero().squeeze(1)
+    out = torch.zeros(b * c, tokens, width, dtype=dtype, device=device)
+    if len(rows):
+        present = images.flatten(0, 1)[rows.to(images.device)].to(device)
+        out[rows.to(device)] = graphs.run({"images": present})["tokens"]
+    return out.view(b, c * tokens, width)
 
 
-def stack(calls: list[NodeCall], name: str, device: str) -> torch.Tensor:
-    return torch.stack([c.inputs[name] for c in calls]).to(device)
+def stack(calls: list[NodeCall], name: str, device: str | None = None) -> torch.Tensor:
+    """The calls' ``name`` inputs on a new dim 0, moved to ``device`` (None: where they are)."""
+    out = torch.stack([c.inputs[name] for c in calls])
+    return out if device is None else out.to(device)
 
 
 class VisionNode(NodeSubmodule):
@@ -87,8 +92,8 @@ class VisionNode(NodeSubmodule):
 
     @torch.inference_mode()
     def forward(self, calls: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
-        tokens = encode_present(self.graphs, stack(calls, "images", self.device), stack(calls, "image_mask", self.device),
-                                self.cfg.vision.tokens, self.cfg.prefix.width, self.dtype)
+        tokens = encode_present(self.graphs, stack(calls, "images"), stack(calls, "image_mask"),
+                                self.cfg.vision.tokens, self.cfg.prefix.width, self.dtype, self.device)
         return [{"image_tokens": t} for t in tokens]
 
 

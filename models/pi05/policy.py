@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.pi05.config import Pi05Config
@@ -29,6 +30,9 @@ from mstar.models.pi05.layers import (
     rope_tables,
     time_embedding,
 )
+
+#: The expert's key count (prefix + its own) is padded with masked keys to a multiple of this.
+KEY_ALIGN = 64
 
 
 def pixels_from_uint8(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,13 +139,16 @@ class ActionExpert(nn.Module):
         b, n = h.shape[:2]
         positions = prefix_valid.sum(1, keepdim=True) + torch.arange(n, device=h.device)
         cos, sin = rope_tables(positions, self.inv_freq, dtype)
-        ones = torch.ones(b, n, dtype=torch.bool, device=h.device)
-        mask = additive_mask(torch.cat([prefix_valid, ones], dim=1)[:, None, None, :], dtype)
+        # the keys (prefix, own, then masked zeros) padded to a multiple of KEY_ALIGN: the score
+        # rows' stride then suits the tensor-core GEMMs (1018 keys ran as align-2 kernels)
+        pad = -(prefix_valid.shape[1] + n) % KEY_ALIGN
+        allowed = torch.cat([prefix_valid, prefix_valid.new_ones(b, n), prefix_valid.new_zeros(b, pad)], dim=1)
+        mask = additive_mask(allowed[:, None, None, :], dtype)
         for i, layer in enumerate(self.layers):
             normed, gate = layer.input_layernorm(h, mod[2 * i])
             q, k, v = layer.qkv(normed, cos, sin)
-            keys = torch.cat([kv[:, i, 0].to(dtype), k], dim=2)
-            values = torch.cat([kv[:, i, 1].to(dtype), v], dim=2)
+            keys = torch.cat([kv[:, i, 0].to(dtype), F.pad(k, (0, 0, 0, pad))], dim=2)
+            values = torch.cat([kv[:, i, 1].to(dtype), F.pad(v, (0, 0, 0, pad))], dim=2)
             h = h + layer.self_attn.o_proj(attend(q, keys, values, mask)) * gate
             normed, gate = layer.post_attention_layernorm(h, mod[2 * i + 1])
             h = h + layer.mlp(normed) * gate

@@ -260,7 +260,11 @@ async def serve(args: argparse.Namespace) -> None:
     watching = [loop.create_task(watch_engines(runtime, lost))]
     if followers:
         watching.append(loop.create_task(followers.watch(lost)))
+    profile = arm_profile(args.group, loop)
     await stop.wait()
+    recording = profile.stop() if profile is not None else None
+    if recording is not None:  # one still on when the group stops is written before it drains
+        await loop.run_in_executor(None, profile.write, recording)
     log.info("node group '%s' draining", args.group)
     runtime.links.drain()
     joining.cancel()
@@ -275,10 +279,39 @@ async def serve(args: argparse.Namespace) -> None:
         await loop.run_in_executor(None, followers.stop)
 
 
+def arm_profile(group: str, loop: asyncio.AbstractEventLoop):
+    """MSTAR_TORCH_PROFILE: SIGUSR1 starts a torch.profiler recording, the next one (or its window's
+    end) stops it and writes it on a thread (mstar/torch_profile.py). The TorchProfile, or None (off)."""
+    folder = env.settings().torch_profile
+    if not folder:
+        return None
+    from mstar.torch_profile import TorchProfile
+
+    profile = TorchProfile(folder, group, env.settings().torch_profile_s)
+
+    def finish(k: int | None = None) -> None:
+        if k is not None and k != profile.recordings:  # the window of a recording already ended
+            return
+        rec = profile.stop()
+        if rec is not None:
+            loop.run_in_executor(None, profile.write, rec)
+
+    def toggle() -> None:
+        if profile.recording:
+            finish()
+        else:
+            loop.call_later(profile.window_s, finish, profile.start())
+    loop.add_signal_handler(signal.SIGUSR1, toggle)
+    log.info("node group '%s': torch profiler armed (kill -USR1 %d starts and stops a recording, into %s)",
+             group, os.getpid(), folder)
+    return profile
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     who = args.group if not args.tp_rank else f"{args.group}:tp{args.tp_rank}"
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s [{who}] %(name)s: %(message)s")
+    env.apply_torch_threads(1 if args.device.startswith("cuda") else None)  # a CPU group computes on the CPU
     if args.tp_rank:
         follow(args)
         return

@@ -1,0 +1,116 @@
+"""A torch.profiler trace of a node group while it serves (``mstar serve --torch-profile DIR``, or
+MSTAR_TORCH_PROFILE=DIR): its CPU ops on every thread, its CUDA kernels (those of CUDA-graph replays
+included), the host's CUDA syncs, and the NVTX spans (each node's forward or whole loop, each engine
+step, each frame batch sent or received) as labelled ranges, so the gaps between a request's GPU
+work show with what the host was doing then. No Nsight needed.
+
+Armed, a node group records nothing until told: SIGUSR1 (``kill -USR1 <pid>``) starts a recording,
+the next SIGUSR1 ends it, and so does MSTAR_TORCH_PROFILE_S seconds (default 60) after its start:
+the profiler holds every event in memory, so a window bounds it. Each recording k is written, on a
+thread, into DIR:
+
+- ``<group>-<pid>-<k>.trace.json.gz``: the timeline (Perfetto or chrome://tracing open it);
+- ``<group>-<pid>-<k>.ops.txt``: the ops and kernels by total CUDA time, then by CPU time.
+
+Recording slows the host side (every op is timed): time requests without it. Off (the default)
+nothing is imported and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_local = threading.local()
+
+
+def _push(name: str) -> None:
+    import torch
+
+    rf = torch.autograd.profiler.record_function(name)
+    rf.__enter__()
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(rf)
+
+
+def _pop() -> None:
+    _local.stack.pop().__exit__(None, None, None)
+
+
+class Recording:
+    def __init__(self, prof, path_stem: Path):
+        self.prof, self.stem = prof, path_stem
+
+
+class TorchProfile:
+    """``start()`` / ``stop()`` on the service's event-loop thread (the thread that started the
+    profiler stops it), then ``write(recording)`` on any thread."""
+
+    def __init__(self, folder: str, name: str, window_s: float):
+        self.folder, self.name, self.window_s = Path(folder), f"{name}-{os.getpid()}", window_s
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._prof = None
+        self.recordings = 0  # started so far
+
+    @property
+    def recording(self) -> bool:
+        return self._prof is not None
+
+    def start(self) -> int:
+        """Start recording; its number k (the files' suffix)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from mstar import nvtx
+
+        assert self._prof is None, "already recording"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        # every thread's ops (the forward and engine threads predate the profiler: by default only
+        # the starting thread's are recorded), and the host's CUDA syncs as events
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+        self._prof = profile(activities=activities, experimental_config=config)
+        self._prof.start()
+        if nvtx.ACTIVE:  # both: each span is an NVTX range and a profiler range
+            push, pop = nvtx.stacked(_push, _pop)
+        else:
+            push, pop = _push, _pop
+        nvtx.configure(True, push, pop)
+        self.recordings += 1
+        log.info("torch profiler recording %d for at most %.0f s, into %s", self.recordings, self.window_s, self.folder)
+        return self.recordings
+
+    def stop(self) -> Recording | None:
+        """End the recording (None: none was on); ``write`` it next."""
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return None
+        from mstar import nvtx
+
+        nvtx.from_settings()  # spans back to what MSTAR_NVTX says
+        prof.stop()
+        return Recording(prof, self.folder / f"{self.name}-{self.recordings}")
+
+    @staticmethod
+    def write(rec: Recording) -> list[Path]:
+        """The recording's files (their paths). Slow for a long window: a thread's work."""
+        trace, table, raw = (rec.stem.with_name(rec.stem.name + ext) for ext in (".trace.json.gz", ".ops.txt", ".trace.json"))
+        rec.prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        averages = rec.prof.key_averages()
+        cuda = any(getattr(e, "device_time_total", 0) for e in averages)
+        with open(table, "w") as f:
+            if cuda:
+                f.write(averages.table(sort_by="device_time_total", row_limit=60, max_name_column_width=90) + "\n\n")
+            f.write(averages.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=90) + "\n")
+        log.info("torch profile written: %s, %s", trace, table)
+        return [trace, table]

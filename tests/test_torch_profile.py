@@ -1,0 +1,151 @@
+"""Service runtime settings: the node groups' torch.profiler trace (mstar serve --torch-profile; mstar/torch_profile.py) and its
+summary (bench/trace_gaps.py): spans of threads that predate the profiler are in the trace, the
+spans go back to off when it stops, and the summary attributes the GPU's idle time to the spans
+open on the host; MSTAR_TORCH_THREADS."""
+
+import asyncio
+import gzip
+import json
+import os
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from mstar import nvtx
+from mstar.torch_profile import TorchProfile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import trace_gaps  # noqa: E402
+
+
+def test_profile_records_every_thread_and_restores_spans(tmp_path):
+    worker = ThreadPoolExecutor(max_workers=1)
+    worker.submit(lambda: None).result()  # the thread exists before the profiler starts, as a node group's do
+    assert not nvtx.ACTIVE
+    prof = TorchProfile(str(tmp_path), "grp", window_s=5)
+    assert prof.stop() is None
+    assert prof.start() == 1 and prof.recording and nvtx.ACTIVE
+
+    def forward():
+        with nvtx.span("prefill/vit_encoder x1"):
+            return torch.ones(64, 64) @ torch.ones(64, 64)
+    worker.submit(forward).result()
+    with nvtx.span("receive 1 frames from conductor"):
+        torch.zeros(3).add_(1)
+    rec = prof.stop()
+    assert rec is not None and prof.stop() is None and not prof.recording
+    assert not nvtx.ACTIVE  # back to what MSTAR_NVTX says (off here)
+    files = prof.write(rec)
+    stem = f"grp-{os.getpid()}-1"
+    assert [f.name for f in files] == [f"{stem}.trace.json.gz", f"{stem}.ops.txt"]
+    with gzip.open(files[0], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    spans = {e["name"]: e["tid"] for e in events if e.get("cat") == "user_annotation"}
+    assert {"prefill/vit_encoder x1", "receive 1 frames from conductor"} <= set(spans)
+    assert spans["prefill/vit_encoder x1"] != spans["receive 1 frames from conductor"]  # two threads
+    assert any(e.get("name") == "aten::mm" and e["tid"] == spans["prefill/vit_encoder x1"] for e in events)
+    assert "aten::mm" in files[1].read_text()
+    assert not list(tmp_path.glob("*.trace.json"))  # the raw trace is gone once compressed
+    worker.shutdown()
+
+
+def test_sigusr1_starts_and_stops_a_recording(tmp_path, monkeypatch):
+    """A node group's arm_profile: SIGUSR1 starts, the next one stops and writes; a recording whose
+    window ends is written without a second signal."""
+    from mstar import env
+    from mstar.services.node_group.server import arm_profile
+
+    monkeypatch.setenv("MSTAR_TORCH_PROFILE", str(tmp_path))
+    monkeypatch.setenv("MSTAR_TORCH_PROFILE_S", "0.3")
+    env.settings.cache_clear()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        profile = arm_profile("grp", loop)
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            await asyncio.sleep(0.05)
+            assert profile.recording
+            torch.ones(8).sum()
+            os.kill(os.getpid(), signal.SIGUSR1)
+            await asyncio.sleep(0.05)
+            assert not profile.recording
+            os.kill(os.getpid(), signal.SIGUSR1)  # the second one ends by its window
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                if len(list(tmp_path.glob("*.ops.txt"))) == 2:
+                    break
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+        return profile
+    try:
+        profile = asyncio.run(run())
+    finally:
+        env.settings.cache_clear()
+    assert not profile.recording and profile.recordings == 2
+    assert sorted(p.name for p in tmp_path.glob("*.ops.txt")) == [f"grp-{os.getpid()}-{k}.ops.txt" for k in (1, 2)]
+
+
+def test_stacked_spans_push_both_and_pop_in_reverse():
+    calls = []
+    nvtx.configure(True, lambda n: calls.append(("a+", n)), lambda: calls.append(("a-",)))
+    try:
+        push, pop = nvtx.stacked(lambda n: calls.append(("b+", n)), lambda: calls.append(("b-",)))
+        nvtx.configure(True, push, pop)
+        with nvtx.span("x"):
+            pass
+    finally:
+        nvtx.configure(False)
+    assert calls == [("a+", "x"), ("b+", "x"), ("b-",), ("a-",)]
+
+
+def ev(cat, name, ts, dur, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_trace_gaps_attributes_idle_time_to_open_spans():
+    events = [
+        ev("kernel", "k1", 0, 10), ev("kernel", "k2", 12, 8),  # a 2 us gap inside a replay
+        ev("kernel", "k3", 100, 10), ev("gpu_memcpy", "d2h", 300, 20),
+        ev("user_annotation", "action_gen/expert x1", 0, 25, tid=2),
+        ev("user_annotation", "prefill/vit_encoder x2", 50, 60, tid=3),  # open over 20..100's middle
+        ev("cpu_op", "aten::copy_", 55, 10, tid=3),
+        ev("user_annotation", "receive 1 frames from conductor", 150, 10),  # not open at 110..300's middle
+    ]
+    out = trace_gaps.summarize(events, top=3)
+    assert out["window_ms"] == 320e-3 and out["gpu_busy_ms"] == 48e-3 and out["gpu_idle_ms"] == 272e-3
+    assert out["idle_by_span_ms"] == {"no span": 190e-3, "prefill/vit_encoder": 80e-3,
+                                      f"gaps under {trace_gaps.SHORT_GAP_US:g} us": 2e-3}
+    assert out["spans"]["prefill/vit_encoder"] == {"count": 1, "mean_host_ms": 60e-3, "mean_gpu_busy_ms": 10e-3}
+    assert out["spans"]["action_gen/expert"]["mean_gpu_busy_ms"] == 18e-3
+    assert out["longest_idle"][0] == {"at_ms": 110e-3, "ms": 190e-3, "spans": [], "cpu_ops": []}
+    assert out["longest_idle"][1]["spans"] == ["prefill/vit_encoder x2"]
+    assert out["longest_idle"][1]["cpu_ops"] == ["aten::copy_"]
+
+
+def test_torch_threads_setting(monkeypatch):
+    """MSTAR_TORCH_THREADS over a service's default; a bad value is refused by name."""
+    import pytest
+
+    from mstar import env
+
+    before = torch.get_num_threads()
+    try:
+        for value, default, want in (("", 1, 1), ("3", 1, 3), ("", None, before), ("2", None, 2)):
+            torch.set_num_threads(before)
+            monkeypatch.setenv("MSTAR_TORCH_THREADS", value)
+            env.settings.cache_clear()
+            env.apply_torch_threads(default)
+            assert torch.get_num_threads() == want, (value, default)
+        for bad in ("0", "-1", "two"):
+            monkeypatch.setenv("MSTAR_TORCH_THREADS", bad)
+            env.settings.cache_clear()
+            with pytest.raises(ValueError, match="MSTAR_TORCH_THREADS"):
+                env.settings()
+    finally:
+        torch.set_num_threads(before)
+        monkeypatch.delenv("MSTAR_TORCH_THREADS")
+        env.settings.cache_clear()
