@@ -1,7 +1,10 @@
 """π0.5's engine records as a plot: per batch size, one action chunk split into vision / prefix / the
 10-step loop (CUDA graph), for each record given, with the transformers baseline's end to end.
 
-    python bench/pi05/plot_pi05.py OUT.png RECORD.json[:label] [RECORD.json[:label] ...]
+    python bench/pi05/plot_pi05.py OUT.png RECORD.json[:label] [RECORD.json[:label] ...] [served=SERVED.json[:label] ...]
+
+``served=`` records (bench_served.py's JSON) add a panel: p50 latency at one client over gRPC and
+through the gateway, and at each concurrency level, side by side per record.
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main() -> None:
     out, specs = sys.argv[1], sys.argv[2:]
-    records = []
+    records, served = [], []
     for spec in specs:
-        path, _, label = spec.partition(":")
-        records.append((label or path, {r["batch"]: r for r in json.load(open(path))["rows"]}))
+        path, _, label = spec.removeprefix("served=").partition(":")
+        if spec.startswith("served="):
+            served.append((label or path, json.load(open(path))))
+        else:
+            records.append((label or path, {r["batch"]: r for r in json.load(open(path))["rows"]}))
     batches = sorted({b for _, rows in records for b in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 4.2))
-    axes = [axes] if len(batches) == 1 else axes
+    panels = len(batches) + bool(served)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4.2))
+    axes = [axes] if panels == 1 else list(axes)
+    if served:
+        served_panel(axes.pop(), served)
     for ax, b in zip(axes, batches, strict=True):
         labels, x = [], 0
         for label, rows in records:
@@ -49,6 +58,23 @@ def main() -> None:
         ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def served_panel(ax, served) -> None:
+    levels = [k for k in served[0][1] if isinstance(served[0][1][k], dict) and "p50_ms" in served[0][1][k]
+              and k != "profiled"]
+    width = 0.8 / len(served)
+    for i, (label, rec) in enumerate(served):
+        xs = [j + i * width for j in range(len(levels))]
+        ys = [rec.get(k, {}).get("p50_ms", 0.0) for k in levels]
+        ax.bar(xs, ys, width, label=label)
+        for x, y in zip(xs, ys, strict=True):
+            ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(20, color="k", ls="--", lw=0.8, label="target 20 ms (gRPC, 1 client)")
+    ax.set_yscale("log")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))], [k.replace("_", "\n") for k in levels], fontsize=7)
+    ax.set_title("served: p50 ms per action chunk")
+    ax.legend(fontsize=7, loc="upper left")
 
 
 if __name__ == "__main__":
