@@ -44,7 +44,7 @@ def settings() -> Settings:
         nvtx=_flag("MSTAR_NVTX"),
         torch_profile=os.environ.get("MSTAR_TORCH_PROFILE", ""),
         torch_threads=_count("MSTAR_TORCH_THREADS"),
-        torch_profile_s=_positive("MSTAR_TORCH_PROFILE_S", "60"),
+        torch_profile_s=_positive("MSTAR_TORCH_PROFILE_S", "10"),
         download=_flag("MSTAR_DOWNLOAD"),
         api_keys=os.environ.get("MSTAR_API_KEYS", ""),
     )

@@ -5,7 +5,7 @@ step, each frame batch sent or received) as labelled ranges, so the gaps between
 work show with what the host was doing then. No Nsight needed.
 
 Armed, a node group records nothing until told: SIGUSR1 (``kill -USR1 <pid>``) starts a recording,
-the next SIGUSR1 ends it, and so does MSTAR_TORCH_PROFILE_S seconds (default 60) after its start:
+the next SIGUSR1 ends it, and so does MSTAR_TORCH_PROFILE_S seconds (default 10) after its start:
 the profiler holds every event in memory, so a window bounds it. Each recording k is written, on a
 thread, into DIR:
 

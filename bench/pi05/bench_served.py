@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -73,7 +74,6 @@ def profiled(mesh, folder: Path, requests: int) -> dict:
     """``requests`` more at one client while the node group records a torch.profiler trace (SIGUSR1
     starts and stops it: mstar/torch_profile.py); waits until it is written. Their latencies (the
     profiler slows the host side) and the trace's files."""
-    import os
     import signal
 
     groups = [s.proc.pid for s in mesh.services if s.kind == "node_group"]
@@ -219,6 +219,8 @@ def main() -> None:
 
             result["device"] = torch.cuda.get_device_name(0)
         t0 = time.perf_counter()
+        if args.torch_profile:  # the bench's own SIGUSR1 pair ends the recording, not a window
+            os.environ.setdefault("MSTAR_TORCH_PROFILE_S", "3600")
         mesh = start_mesh(root, ckpt, args.device, args.torch_profile)
         result["startup_s"] = time.perf_counter() - t0
         try:
