@@ -36,16 +36,20 @@ def require_cuda() -> None:
 
 
 class _Span:
-    __slots__ = ("name",)
+    """A range with the push / pop of the moment it was made: a span open while ranges are turned
+    on, off or swapped (a profiler recording starting or ending on another thread) pops what it
+    pushed."""
 
-    def __init__(self, name: str):
-        self.name = name
+    __slots__ = ("name", "push", "pop")
+
+    def __init__(self, name: str, push: Callable[[str], object], pop: Callable[[], object]):
+        self.name, self.push, self.pop = name, push, pop
 
     def __enter__(self) -> None:
-        _push(self.name)  # type: ignore[misc]
+        self.push(self.name)
 
     def __exit__(self, *exc) -> None:
-        _pop()  # type: ignore[misc]
+        self.pop()
 
 
 def configure(enabled: bool, push: Callable[[str], object] | None = None, pop: Callable[[], object] | None = None) -> None:
@@ -67,7 +71,8 @@ def configure(enabled: bool, push: Callable[[str], object] | None = None, pop: C
 def span(name: str):
     """``with span("decode/llm forward"):`` a range while enabled, nothing otherwise. On a hot
     path, ``span(f"...") if nvtx.ACTIVE else nvtx.NULL`` builds no name while off."""
-    return _Span(name) if _push is not None else NULL
+    push, pop = _push, _pop
+    return _Span(name, push, pop) if push is not None and pop is not None else NULL
 
 
 def stacked(push: Callable[[str], object], pop: Callable[[], object]):

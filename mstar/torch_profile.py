@@ -18,11 +18,10 @@ nothing is imported and nothing is recorded.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -45,9 +44,10 @@ def _pop() -> None:
     _local.stack.pop().__exit__(None, None, None)
 
 
+@dataclass
 class Recording:
-    def __init__(self, prof, path_stem: Path):
-        self.prof, self.stem = prof, path_stem
+    prof: object  # the stopped torch.profiler.profile
+    stem: Path  # its files' path without their suffixes
 
 
 class TorchProfile:
@@ -101,11 +101,8 @@ class TorchProfile:
     @staticmethod
     def write(rec: Recording) -> list[Path]:
         """The recording's files (their paths). Slow for a long window: a thread's work."""
-        trace, table, raw = (rec.stem.with_name(rec.stem.name + ext) for ext in (".trace.json.gz", ".ops.txt", ".trace.json"))
-        rec.prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        trace, table = (rec.stem.with_name(rec.stem.name + ext) for ext in (".trace.json.gz", ".ops.txt"))
+        rec.prof.export_chrome_trace(str(trace))  # gzipped by torch for a .gz path
         averages = rec.prof.key_averages()
         cuda = any(getattr(e, "device_time_total", 0) for e in averages)
         with open(table, "w") as f:

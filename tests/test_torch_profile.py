@@ -102,6 +102,29 @@ def test_stacked_spans_push_both_and_pop_in_reverse():
     assert calls == [("a+", "x"), ("b+", "x"), ("b-",), ("a-",)]
 
 
+def test_a_span_pops_what_it_pushed_when_ranges_change_meanwhile():
+    """A recording starts or ends on the event loop while a forward thread is inside a span: the
+    span pops with the pop of its push (ranges turned off meanwhile, or swapped for others)."""
+    calls = []
+    nvtx.configure(True, lambda n: calls.append(("a+", n)), lambda: calls.append(("a-",)))
+    try:
+        with nvtx.span("x"):
+            nvtx.configure(False)
+        nvtx.configure(True, lambda n: calls.append(("a+", n)), lambda: calls.append(("a-",)))
+        with nvtx.span("y"):
+            nvtx.configure(True, lambda n: calls.append(("b+", n)), lambda: calls.append(("b-",)))
+    finally:
+        nvtx.configure(False)
+    assert calls == [("a+", "x"), ("a-",), ("a+", "y"), ("a-",)]
+
+
+def test_trace_gaps_refuses_a_trace_without_gpu_work():
+    import pytest
+
+    with pytest.raises(SystemExit, match="no GPU events"):
+        trace_gaps.summarize([ev("cpu_op", "aten::mm", 0, 5)])
+
+
 def ev(cat, name, ts, dur, tid=1):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
