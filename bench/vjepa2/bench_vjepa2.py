@@ -284,7 +284,7 @@ def bench_plan(args, dtype, peak) -> dict:
         print(f"plan at the defaults ({variant}): {t:.3f} s, {flops / 1e12:.1f} TFLOP, floor {floor:.3f} s "
               f"({t / floor:.2f}x); graphs {loops.stats}; final frames vs {args.plan_variants[0]}: max |diff| "
               f"{out['variants'][variant]['max_abs_diff_vs_first']:.3g}", flush=True)
-        del loops
+        del loops, world_model, plan  # their graphs and pool freed before the next variant captures
     compile_blocks(pred, None)
     best = min(out["variants"], key=lambda v: out["variants"][v]["seconds"])
     out.update(best=best, seconds=out["variants"][best]["seconds"], over_floor=out["variants"][best]["over_floor"])

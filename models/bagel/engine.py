@@ -133,12 +133,12 @@ class BagelLM:
                 ctx.mark = (self.engine.cache.length(rid, "main"), ctx.ropes["main"])
             items.append(ForwardItem(rid, "main", token_ids=torch.tensor([token]),
                                      positions=torch.tensor([ctx.ropes["main"]])))
-        hidden = torch.cat(self._pass(items, None, causal=True))
+        hidden = self._pass(items, None, causal=True)
         for rid, _, _ in steps:
             self._ctx(rid).ropes["main"] += 1
         if self.follower:  # no logits: a vocabulary-wide GEMM and a host sync a token, for nothing
             return []
-        return self.llm.compute_logits(hidden).argmax(dim=-1).tolist()
+        return self.llm.compute_logits(torch.cat(hidden)).argmax(dim=-1).tolist()
 
     def rewind(self, rid: str) -> None:
         """Drop what the request's last decode appended to main (think mode re-adds its text)."""

@@ -9,7 +9,6 @@ head_dim]``, as the qkv GEMM leaves them): SDPA takes them through transposed vi
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -29,14 +28,6 @@ SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def sdpa_order(names: tuple[str, ...] | None):
-    """SDPA kernels tried in this order (the first that takes the inputs runs); None: torch's
-    choice."""
-    if not names:
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPA_BACKENDS[n] for n in names], set_priority=True)
-
-
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``Attend`` by torch's SDPA (token-major in and out: the heads' transposes are views)."""
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -51,13 +42,13 @@ def attention_kernel(spec: str | None) -> Attend:
     if spec is None or spec == "sdpa":
         return sdpa
     if spec.startswith("sdpa:"):
-        order = tuple(spec[5:].split(","))
-        unknown = [n for n in order if n not in SDPA_BACKENDS]
-        if unknown or not order:
+        order = spec[5:].split(",")
+        if any(n not in SDPA_BACKENDS for n in order):
             raise ValueError(f"attention {spec!r}: SDPA kernels are {', '.join(SDPA_BACKENDS)}")
+        backends = [SDPA_BACKENDS[n] for n in order]
 
-        def ordered(q, k, v):
-            with sdpa_order(order):
+        def ordered(q, k, v):  # SDPA trying those kernels in that order (the first that takes the inputs)
+            with sdpa_kernel(backends, set_priority=True):
                 return sdpa(q, k, v)
         return ordered
     raise ValueError(f"attention must be sdpa or sdpa:<kernels>, got {spec!r}")
@@ -69,7 +60,7 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
+        self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -77,10 +68,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)  # Block runs them (_finish)
 
 
 class Block(nn.Module):
@@ -301,9 +289,9 @@ class ACPredictor(nn.Module):
         tabs = [self.frame_tables(t, x.dtype, x.device) for t in range(T)]
         cos, sin = torch.cat([c for c, _ in tabs]), torch.cat([s for _, s in tabs])
         frame_of = torch.arange(T * F_, device=x.device) // F_
-        mask = frame_of.unsqueeze(1) >= frame_of.unsqueeze(0)  # block-causal by frame
+        attend = partial(sdpa, mask=frame_of.unsqueeze(1) >= frame_of.unsqueeze(0))  # block-causal by frame
         for blk in self.predictor_blocks:
-            x = blk(x, cos, sin, partial(sdpa, mask=mask))
+            x = blk(x, cos, sin, attend)
         return self._out(x.view(B, T, F_, -1)).flatten(1, 2)
 
     def new_cache(self, rows: int, frames: int, dtype=None, device=None) -> KVCache:

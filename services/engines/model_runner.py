@@ -50,6 +50,8 @@ class ModelRunner:
         self.max_position = (getattr(model.config, "max_position_embeddings", None)
                              if ops.position_table else None)
         self.last_run_replayed = False  # whether the latest run() replayed a CUDA graph
+        # a model that runs part of the pass's queries (BAGEL's sequence-parallel ranks) plans only those
+        self.attention_share = getattr(model, "attention_share", None)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, token_ids: torch.Tensor | None = None,
@@ -98,8 +100,7 @@ class ModelRunner:
         n = inputs.num_rows
         if inputs.padded_rows != n:
             raise ValueError("padded step inputs without a captured graph")
-        share = getattr(self.model, "attention_share", None)  # a model that runs part of the pass's queries
-        self.backend.plan(share(inputs.attn) if share is not None else inputs.attn)
+        self.backend.plan(self.attention_share(inputs.attn) if self.attention_share is not None else inputs.attn)
         ctx = ForwardContext(self.backend, self.cache.kv, h2d(inputs.attn.slots, self.device), self.ops,
                              attn=inputs.attn)
         return self.model(embeds.to(self.device), h2d(inputs.positions, self.device), ctx)

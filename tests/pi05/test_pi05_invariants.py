@@ -167,13 +167,16 @@ def too_many_pixels() -> bytes:
 
 
 def test_an_image_with_too_many_pixels_is_refused_before_it_is_decoded(monkeypatch):
-    from PIL import Image
+    from PIL import Image, ImageFile
 
     from mstar.models.pi05.images import MAX_IMAGE_PIXELS, decode_image
 
     data = too_many_pixels()
     assert len(data) < 200_000 and MAX_IMAGE_PIXELS == 4096 * 4096
-    monkeypatch.setattr(Image.Image, "convert", lambda *a, **k: pytest.fail("decoded before the size was checked"))
+    def no_decode(*a, **k):
+        pytest.fail("decoded before the size was checked")
+    for target in (Image.Image, ImageFile.ImageFile):  # Pillow decodes in load(); convert() would load
+        monkeypatch.setattr(target, "load", no_decode)
     with pytest.raises(ValueError, match=r"an image of 4096x4097 pixels; at most 16777216 pixels"):
         decode_image(data, 224)
     monkeypatch.undo()
