@@ -222,6 +222,9 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
         self.path = "auto"  # one of MOE_PATHS (tests pin one)
 
+    #: the first of the experts this module holds (an expert-parallel rank holds a range)
+    first = 0
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
         return route_topk(x, self.gate.weight, self.top_k, self.norm_topk)
@@ -232,7 +235,8 @@ class SparseMoe(nn.Module):
         e, se = self.experts, self.shared_expert
         shared = () if se is None else (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
                                         self.shared_expert_gate.weight)  # type: ignore[union-attr]
-        return compiled(moe_share, backend)(x, self.gate.weight, e.gate_up, e.down, self.top_k, self.norm_topk, 0, *shared)
+        return compiled(moe_share, backend)(x, self.gate.weight, e.gate_up, e.down, self.top_k, self.norm_topk,
+                                            self.first, *shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, *self.route(x), self.path)
@@ -321,13 +325,18 @@ def _add_norm(x, delta, norm_w, eps: float):
     return x, _rms(x, norm_w, eps)
 
 
+def local_experts(index: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Global expert indices -> indices into the ``n`` experts from ``first`` held here; ``n`` (no
+    expert: weight 0) for another rank's."""
+    local = index - first
+    return torch.where((local >= 0) & (local < n), local, n)
+
+
 def moe_share(x, router, gate_up, down, top_k: int, norm_topk: bool, first: int, *shared):
     """``SparseMoe.forward`` over experts ``[first, first + len(gate_up))``: all of them, or an
     expert-parallel rank's share (another rank's expert weighs 0 here)."""
     index, weight = route_topk(x, router, top_k, norm_topk)
-    n = gate_up.shape[0]
-    local = index - first
-    y = grouped_experts(x, torch.where((local >= 0) & (local < n), local, n), weight, gate_up, down)
+    y = grouped_experts(x, local_experts(index, first, gate_up.shape[0]), weight, gate_up, down)
     if shared:
         gate_w, up_w, down_w, shared_gate = shared
         y = y + torch.sigmoid(F.linear(x, shared_gate)) * F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)

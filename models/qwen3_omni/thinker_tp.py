@@ -31,9 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.qwen3_omni.config import DecoderConfig
-from mstar.models.qwen3_omni.layers import Experts, SparseMoe, SwiGLU, moe_share
+from mstar.models.qwen3_omni.layers import Experts, SparseMoe, SwiGLU, local_experts
 from mstar.models.qwen3_omni.thinker import Thinker
-from mstar.services.engines.compiled import compiled
 
 
 @dataclass(frozen=True)
@@ -145,16 +144,12 @@ class ExpertParallelMoe(SparseMoe):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         index, weight = self.route(x)
-        n = self.experts.gate_up.shape[0]
-        local = index - self.first
-        local = torch.where((local >= 0) & (local < n), local, n)  # n: another rank's expert
+        local = local_experts(index, self.first, self.experts.gate_up.shape[0])
         return self.tp.all_reduce(self.experts(x, local, weight, self.path))
 
     def fused(self, x: torch.Tensor, backend: Any) -> torch.Tensor:
         """``forward`` with this rank's share compiled (``SparseMoe.fused``), then the all-reduce."""
-        e = self.experts
-        return self.tp.all_reduce(compiled(moe_share, backend)(x, self.gate.weight, e.gate_up, e.down, self.top_k,
-                                                                 self.norm_topk, self.first))
+        return self.tp.all_reduce(super().fused(x, backend))
 
 
 def sharded_thinker(shard: ThinkerShard, tp) -> Thinker:
