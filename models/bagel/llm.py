@@ -105,13 +105,12 @@ class MoTLayer(nn.Module):
         super().__init__()
         self.und, self.gen = Expert(cfg), Expert(cfg)
         self.index, self.rope = index, rope
-        self.heads = self.und.heads
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, route: Routing,
                 gather: Callable | None = None) -> torch.Tensor:
         """``gather``: (k, v) of this rank's rows -> (k, v) of every row of the pass (a
         sequence-parallel pass: the rows here are one rank's share; the cache takes all)."""
-        n, (hq, hkv, d), ops = x.shape[0], self.heads, ctx.ops
+        n, (hq, hkv, d), ops = x.shape[0], self.und.heads, ctx.ops
         h = route.apply(x, lambda t: self.und.qkv(t, ops), lambda t: self.gen.qkv(t, ops))
         q, k, v = h.split(self.und.sizes, dim=-1)
         q, k = ops.rope(self.rope, q.reshape(n, hq, d), k.reshape(n, hkv, d), positions)
