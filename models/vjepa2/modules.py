@@ -270,11 +270,12 @@ class ACPredictor(nn.Module):
         return got
 
     def _tokens(self, frames: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """``[B, T, P, enc.dim]``, ``[B, T, 7]`` x2 -> ``[B, T, 2 + P, dim]``."""
+        """``[..., P, enc.dim]``, ``[..., 7]`` x2 -> ``[..., 2 + P, dim]`` (a fresh tensor: a compiled
+        block would copy a view, ``owned``)."""
         x = self.predictor_embed(frames)
-        a = self.action_encoder(actions.to(x.dtype)).unsqueeze(2)
-        s = self.state_encoder(states.to(x.dtype)).unsqueeze(2)
-        return torch.cat([a, s, x], 2)
+        a = self.action_encoder(actions.to(x.dtype)).unsqueeze(-2)
+        s = self.state_encoder(states.to(x.dtype)).unsqueeze(-2)
+        return torch.cat([a, s, x], -2)
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
         return self.predictor_proj(self.predictor_norm(x[..., self.cfg.cond_tokens:, :]))
@@ -311,7 +312,7 @@ class ACPredictor(nn.Module):
         for cache, t in segments:
             if not 0 <= t < cache.frames:
                 raise ValueError(f"frame {t} is past the cache's {cache.frames} frames")
-        x = self._tokens(frame.unsqueeze(1), action.unsqueeze(1), state.unsqueeze(1))[:, 0]
+        x = self._tokens(frame, action, state)
         tabs = [self.frame_tables(t, x.dtype, x.device) for _, t in segments]
         if len(segments) == 1:
             cos, sin = tabs[0]
