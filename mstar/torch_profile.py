@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
 _local = threading.local()
+T = TypeVar("T")
 
 
 def _push(name: str) -> None:
@@ -111,3 +114,29 @@ class TorchProfile:
             f.write(averages.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=90) + "\n")
         log.info("torch profile written: %s, %s", trace, table)
         return [trace, table]
+
+
+def record_around(pids: list[int], folder: Path, run: Callable[[], T], timeout_s: float = 300.0) -> tuple[T, list[str]]:
+    """Benchmarks: start a recording in each of ``pids`` (node groups serving with ``--torch-profile
+    folder``), ``run()``, stop them, and wait until each has written its trace. Returns run's
+    result and the folder's file names. Each SIGUSR1 is handled on its group's event loop, so the
+    recordings start within a moment of the signal; arm the groups with a window
+    (MSTAR_TORCH_PROFILE_S) longer than ``run`` takes."""
+    import signal
+    import time
+
+    before = len(list(folder.glob("*.ops.txt")))
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    try:
+        result = run()
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.glob("*.ops.txt"))) < before + len(pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the node groups' torch profiles did not appear in {folder} within {timeout_s:.0f} s")
+        time.sleep(0.5)
+    return result, sorted(p.name for p in folder.iterdir())

@@ -71,24 +71,13 @@ def start_mesh(root: Path, ckpt: Path, device: str, torch_profile: str | None = 
 
 
 def profiled(mesh, folder: Path, requests: int) -> dict:
-    """``requests`` more at one client while the node group records a torch.profiler trace (SIGUSR1
-    starts and stops it: mstar/torch_profile.py); waits until it is written. Their latencies (the
-    profiler slows the host side) and the trace's files."""
-    import signal
+    """``requests`` more at one client while the node group records a torch.profiler trace
+    (``record_around``). Their latencies (the profiler slows the host side) and the trace's files."""
+    from mstar.torch_profile import record_around
 
     groups = [s.proc.pid for s in mesh.services if s.kind == "node_group"]
-    for pid in groups:
-        os.kill(pid, signal.SIGUSR1)
-    time.sleep(0.5)  # the signal is handled on the group's event loop
-    out = asyncio.run(grpc_levels(mesh.conductor_address, requests, 0, [], {}))["grpc_1"]
-    for pid in groups:
-        os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + 300
-    while len(list(folder.glob("*.ops.txt"))) < len(groups):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the node groups' torch profiles did not appear in {folder} within 300 s")
-        time.sleep(0.5)
-    return out | {"files": sorted(p.name for p in folder.iterdir())}
+    out, files = record_around(groups, folder, lambda: asyncio.run(grpc_levels(mesh.conductor_address, requests, 0, [], {}))["grpc_1"])
+    return out | {"files": files}
 
 
 def act_request(seed: int):

@@ -28,6 +28,7 @@ import asyncio
 import io
 import json
 import math
+import os
 import statistics
 import struct
 import tempfile
@@ -122,7 +123,7 @@ def layouts(gpus: int) -> dict[str, list[dict]]:
                     {"name": "code2wav", "node_names": ["code2wav"], "ranks": [second]}]}
 
 
-def start_mesh(root: Path, ckpt: Path, layout: str, device: str, model_kwargs: dict):
+def start_mesh(root: Path, ckpt: Path, layout: str, device: str, model_kwargs: dict, torch_profile: str | None = None):
     from mstar.config import load_config
     from mstar.launcher import LaunchOptions, Mesh
 
@@ -132,7 +133,8 @@ def start_mesh(root: Path, ckpt: Path, layout: str, device: str, model_kwargs: d
                                "model_kwargs": {"checkpoint": str(ckpt), "max_num_seqs": 64, **model_kwargs},
                                "node_groups": layouts(gpus)[layout]}))
     mesh = Mesh(load_config(cfg), LaunchOptions(cfg, port=0, grpc_port=0, gpus=list(range(gpus)) if gpus else None,
-                                                cache_dir=str(root), log_level="WARNING", startup_timeout_s=900))
+                                                cache_dir=str(root), log_level="WARNING", startup_timeout_s=900,
+                                                torch_profile=torch_profile))
     mesh.start()
     return mesh
 
@@ -302,6 +304,9 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=96)
     ap.add_argument("--audio-frames", type=int, default=125, help="codec frames per answer (12.5 a second)")
     ap.add_argument("--model-kwargs", default="{}", help="JSON merged into the YAML's model_kwargs")
+    ap.add_argument("--torch-profile", metavar="DIR", help="every node group's torch.profiler trace into DIR (mstar "
+                    "serve --torch-profile) over one more speech answer at one stream after the timed levels; "
+                    "summarise each with bench/trace_gaps.py")
     ap.add_argument("--parts", nargs="+", choices=["mstar", "baseline"], default=["mstar", "baseline"],
                     help="one side only (e.g. each in its own process on its own GPUs, to fit one call)")
     args = ap.parse_args()
@@ -333,7 +338,9 @@ def main() -> None:
 
 def measure_mstar(args, root: Path, ckpt: Path, knobs: dict, result: dict, save) -> None:
     t = time.perf_counter()
-    mesh = start_mesh(root, ckpt, args.layout, args.device, result["model_kwargs"])
+    if args.torch_profile:  # the bench's own SIGUSR1 pair ends the recording, not a window
+        os.environ.setdefault("MSTAR_TORCH_PROFILE_S", "3600")
+    mesh = start_mesh(root, ckpt, args.layout, args.device, result["model_kwargs"], args.torch_profile)
     result["mesh_start_s"] = time.perf_counter() - t
     try:
         levels = [int(x) for x in args.concurrency.split(",")]
@@ -354,6 +361,13 @@ def measure_mstar(args, root: Path, ckpt: Path, knobs: dict, result: dict, save)
         asyncio.run(media_request(mesh.conductor_address, {**knobs, "max_tokens": 4, "max_audio_frames": 4}, image))
         result["media_request"] = asyncio.run(media_request(mesh.conductor_address, knobs, image))
         print(json.dumps(result["media_request"]), flush=True)
+        if args.torch_profile:
+            from mstar.torch_profile import record_around
+
+            groups = [s.proc.pid for s in mesh.services if s.kind == "node_group"]
+            r, files = record_around(groups, Path(args.torch_profile), lambda: asyncio.run(level(mesh.conductor_address, 1, knobs)))
+            result["profiled"] = r | {"files": files}
+            save()
     finally:
         mesh.stop()
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mstar.services.engines.batch import h2d
+
 
 class SlotCache:
     """``num_slots`` slots to hand out, and one more, ``scratch``, that is never handed out: a
@@ -51,10 +53,10 @@ class PrefillBatch:
         self.cache, self.b, self.longest = cache, len(lengths), max(lengths)
         seq = torch.repeat_interleave(torch.arange(self.b), torch.tensor(lengths))
         pos = torch.cat([torch.arange(n) for n in lengths])
-        self.seq, self.pos = seq.to(device), pos.to(device)
-        self.slot = torch.tensor(slots, device=device)[self.seq]
+        self.seq, self.pos = h2d(seq, device), h2d(pos, device)  # uploads that wait for no queued work
+        self.slot = h2d(torch.tensor(slots), device)[self.seq]
         keys = torch.arange(self.longest, device=device)
-        valid = keys[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, L]
+        valid = keys[None, :] < h2d(torch.tensor(lengths), device)[:, None]  # [B, L]
         self.mask = (keys[None, :, None] >= keys[None, None, :]) & valid[:, None, :]  # [B, Lq, Lk]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 def gumbel(rows: int, shape: tuple[int, ...], generators: list[torch.Generator | None], device) -> torch.Tensor:
     """[rows, *shape] Gumbel noise; row r from ``generators[r]`` (None: all such rows in one draw)."""
-    out = torch.empty((rows, *shape), device=device)
-    shared = [r for r, g in enumerate(generators) if g is None]
-    if shared:
-        out[shared] = torch.rand((len(shared), *shape), device=device)
+    out = torch.rand((rows, *shape), device=device)  # the unseeded rows' draw (no host index: no sync)
     for r, g in enumerate(generators):
         if g is not None:
             out[r] = torch.rand(shape, device=device, generator=g)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.services.engines.batch import h2d
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -50,7 +52,7 @@ def sample(logits: torch.Tensor, sampling: list[Sampling] | None,
         if not s.greedy:
             groups.setdefault(s, []).append(row)
     for s, rows in groups.items():
-        idx = torch.tensor(rows, device=logits.device)
+        idx = h2d(torch.tensor(rows), logits.device)
         probs = _warp(logits[idx].float(), s).softmax(-1)
         gens = [generators[r] if generators is not None else None for r in rows]
         shared = [i for i, g in enumerate(gens) if g is None]

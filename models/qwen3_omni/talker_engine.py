@@ -23,6 +23,7 @@ from mstar.models.qwen3_omni.positions import decode_positions
 from mstar.models.qwen3_omni.sampling import Sampling, sample
 from mstar.models.qwen3_omni.talker import Talker
 from mstar.models.qwen3_omni.thinker_engine import OmniOut
+from mstar.services.engines.batch import h2d
 from mstar.services.engines.sequence import SeqStatus
 
 
@@ -124,8 +125,9 @@ class TalkerEngine:
         rows: list[tuple[_Seq, torch.Tensor]] = list(zip(starts, self._prefill(starts), strict=True)) if starts else []
         if feeds:
             seqs = [self.seqs[r] for r in feeds]
-            text = torch.stack([self.tts_pad if f.text is None else self.model.text_projection(
-                f.text.to(self.device, self.dtype)) for f in feeds.values()])
+            texts = [f.text for f in feeds.values() if f.text is not None]  # one upload, one projection
+            projected = iter(self.model.text_projection(h2d(torch.stack(texts), self.device).to(self.dtype)) if texts else ())
+            text = torch.stack([self.tts_pad if f.text is None else next(projected) for f in feeds.values()])
             embeds = torch.stack([s.next_codec for s in seqs]) + text  # type: ignore[misc]
             pos = torch.cat([decode_positions(s.start.positions.shape[1], s.start.delta, 1, len(s.code0) - 1)
                              for s in seqs], 1)
@@ -145,14 +147,14 @@ class TalkerEngine:
         through text_projection), "<|im_start|>assistant\n", then 4 rows of tts_pad over the
         no-think codes and the voice, tts_bos over codec_pad, the first text row over codec_bos."""
         w, m = s.start, self.model
-        src = w.thinker_rows.to(self.device, self.dtype)
-        mm = w.mm.to(self.device)
+        src = h2d(w.thinker_rows, self.device).to(self.dtype)
+        mm = h2d(w.mm, self.device)
         proj = torch.where(mm[:, None], m.hidden_projection(src), m.text_projection(src))
         i = self.ids
-        codec = m.codec_embed(torch.tensor([i.codec_nothink, i.codec_think_bos, i.codec_think_eos, w.speaker,
-                                            i.codec_pad, i.codec_bos], device=self.device))
+        codec = m.codec_embed(h2d(torch.tensor([i.codec_nothink, i.codec_think_bos, i.codec_think_eos, w.speaker,
+                                                i.codec_pad, i.codec_bos]), self.device))
         tail = torch.cat([self.tts_pad.expand(4, -1), self.tts_bos[None],
-                          m.text_projection(w.first_text.to(self.device, self.dtype))[None]]) + codec
+                          m.text_projection(h2d(w.first_text, self.device).to(self.dtype))[None]]) + codec
         return torch.cat([proj, tail])
 
     def _prefill(self, seqs: list[_Seq]) -> list[torch.Tensor]:
@@ -160,7 +162,7 @@ class TalkerEngine:
         prompts = [self._prompt(s) for s in seqs]
         lengths = [p.shape[0] for p in prompts]
         ctx = PrefillBatch(self.cache, [s.slot for s in seqs], lengths, self.device)
-        positions = torch.cat([s.start.positions for s in seqs], dim=1).to(self.device)
+        positions = h2d(torch.cat([s.start.positions for s in seqs], dim=1), self.device)
         hidden = self.model(torch.cat(prompts), positions, ctx)
         out, at = [], 0
         for s, n in zip(seqs, lengths, strict=True):
@@ -170,29 +172,40 @@ class TalkerEngine:
         return out
 
     def _finish(self, rows: list[tuple[_Seq, torch.Tensor]]) -> list[OmniOut]:
+        """Code0 of each row, then the residual codes of every row that may go on, all queued on the
+        device before the one host sync of the step (the codes' copy): the frames of rows whose
+        code0 turns out to be the end of speech are computed and dropped, rather than the host
+        waiting for code0 between the two."""
         seqs = [s for s, _ in rows]
         hidden = torch.stack([h for _, h in rows])
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        penalty = torch.tensor([s.start.repetition_penalty for s in seqs])
+        dev = self.device
+        slots = h2d(torch.tensor([s.slot for s in seqs]), dev)
+        penalty = h2d(torch.tensor([s.start.repetition_penalty for s in seqs]), dev)
         logits = self.model.code0_logits(hidden, self.seen[slots], penalty)
         no_eos = [k for k, s in enumerate(seqs) if s.start.ignore_eos]
         if no_eos:
-            logits[no_eos, self.ids.codec_eos] = float("-inf")
+            logits[h2d(torch.tensor(no_eos), dev), self.ids.codec_eos] = float("-inf")
         drawn = sample(logits, [s.start.sampling for s in seqs], [s.generator for s in seqs])
         self.seen[slots, drawn] = True
-        code0 = drawn.tolist()
-        going = [k for k, c in enumerate(code0) if c != self.ids.codec_eos and len(seqs[k].code0) + 1 < seqs[k].start.max_tokens]
-        frames: dict[int, torch.Tensor] = {}
+        going = [k for k, s in enumerate(seqs) if len(s.code0) + 1 < s.start.max_tokens]  # before code0 is known
+        whole = None
         if going:
-            c0 = torch.tensor([code0[k] for k in going], device=self.device)
+            picked = h2d(torch.tensor(going), dev) if len(going) < len(seqs) else None  # (a list index would sync)
+            c0, h = (drawn, hidden) if picked is None else (drawn[picked], hidden[picked])
             e0 = self.model.codec_embed(c0)
             # each row's residual codes sample as its code0 does (greedy rows stay greedy)
-            greedy = torch.tensor([seqs[k].start.sampling.greedy for k in going])
-            rest, rest_sum = self.model.code_predictor.predict(hidden[going], e0, greedy, [seqs[k].generator for k in going])
-            whole = torch.cat([c0[:, None], rest], dim=1).cpu()  # one copy for the step
+            greedy = h2d(torch.tensor([seqs[k].start.sampling.greedy for k in going]), dev)
+            rest, rest_sum = self.model.code_predictor.predict(h, e0, greedy, [seqs[k].generator for k in going])
+            whole = torch.cat([c0[:, None], rest], dim=1)
             for j, k in enumerate(going):
                 seqs[k].next_codec = e0[j] + rest_sum[j]
-                frames[k] = whole[j]
+        # the step's one sync: code0 of every row, then the going rows' frames
+        host = torch.cat([drawn, whole.reshape(-1)]).cpu() if whole is not None else drawn.cpu()
+        code0 = host[: len(seqs)].tolist()
+        frames: dict[int, torch.Tensor] = {}
+        if whole is not None:
+            codes = host[len(seqs):].view(len(going), -1)
+            frames = {k: codes[j] for j, k in enumerate(going) if code0[k] != self.ids.codec_eos}
         outs = []
         for k, s in enumerate(seqs):
             s.code0.append(code0[k])

@@ -29,6 +29,7 @@ from mstar.models.qwen3_omni.decode_graphs import DecodeGraphs
 from mstar.models.qwen3_omni.positions import decode_positions
 from mstar.models.qwen3_omni.sampling import Sampling, sample
 from mstar.models.qwen3_omni.thinker import Thinker
+from mstar.services.engines.batch import h2d
 from mstar.services.engines.sequence import SeqStatus
 
 log = logging.getLogger(__name__)
@@ -191,15 +192,15 @@ class ThinkerEngine:
         lengths = [inp[0].numel() for inp in inputs]
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         dev = self.device
-        embeds = torch.cat([self.model.prompt_embeds(ids.to(dev), media) for ids, media, _, _ in inputs])
-        positions = torch.cat([inp[2] for inp in inputs], dim=1).to(dev)
-        deep_rows = [inp[3][0].to(dev) + at for inp, at in zip(inputs, starts, strict=True) if inp[3] is not None]
+        embeds = torch.cat([self.model.prompt_embeds(h2d(ids, dev), media) for ids, media, _, _ in inputs])
+        positions = h2d(torch.cat([inp[2] for inp in inputs], dim=1), dev)
+        deep_rows = [h2d(inp[3][0], dev) + at for inp, at in zip(inputs, starts, strict=True) if inp[3] is not None]
         deep_feats = [inp[3][1] for inp in inputs if inp[3] is not None]
         deep = (torch.cat(deep_rows), [torch.cat(f).to(dev, self.dtype) for f in zip(*deep_feats, strict=True)]) \
             if deep_rows else None
         ctx = PrefillBatch(self.cache, slots, lengths, dev)
         hidden, captured = self.model(embeds, positions, ctx, capture, deep)
-        last = torch.tensor([a + n - 1 for a, n in zip(starts, lengths, strict=True)], device=dev)
+        last = h2d(torch.tensor([a + n - 1 for a, n in zip(starts, lengths, strict=True)]), dev)
         return self.model.logits(hidden[last]), embeds, captured, starts
 
     def _decode_pass(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
@@ -227,8 +228,8 @@ class ThinkerEngine:
             extra: dict[str, torch.Tensor] = {}
             w = s.work
             if w.talker_rows is not None:
-                rows = w.talker_rows.to(self.device) + at
-                mm = w.talker_mm.to(self.device) if w.talker_mm is not None else torch.zeros_like(rows, dtype=torch.bool)
+                rows = h2d(w.talker_rows, self.device) + at
+                mm = h2d(w.talker_mm, self.device) if w.talker_mm is not None else torch.zeros_like(rows, dtype=torch.bool)
                 extra["talker_prompt"] = torch.where(mm[:, None], captured[rows], embeds[rows])  # type: ignore[index]
             outs.append(self._advance(s, int(t), extra))
         return outs

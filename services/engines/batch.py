@@ -20,10 +20,11 @@ from mstar.services.engines.pages import build_csr, pages_for
 SCRATCH_PAGE = 0
 
 
-def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def h2d(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Host tensor to ``device`` without waiting for queued device work (a plain ``.to`` from
     pageable memory synchronises the stream, which would stall a pipelined decode)."""
-    if device.type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.services.engines.batch import h2d
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -82,7 +84,12 @@ class _Graph:
 def copy_padded(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[:B] = src`` and every row of ``dst`` past B a copy of row B-1 (B = ``len(src)``)."""
     rows = src.shape[0]
-    dst[:rows].copy_(src)  # blocking: a pinned host ``src`` may be reused as soon as run() returns
+    if dst.is_cuda and src.device.type == "cpu" and not src.is_pinned():
+        # from a private pinned copy, asynchronously: a copy from pageable memory first waits for
+        # all the work queued on the stream, a host sync in every step that uploads an input
+        dst[:rows].copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst[:rows].copy_(src)  # blocking: a caller's pinned ``src`` may be reused as soon as run() returns
     if rows < dst.shape[0]:
         dst[rows:].copy_(dst[rows - 1:rows].expand_as(dst[rows:]))
 
@@ -146,7 +153,7 @@ class LoopGraphs:
         if bucket is None:
             self.stats.eager_runs += 1
             with torch.no_grad():
-                return self._loop({k: v.to(self.device) for k, v in inputs.items()}, rows)
+                return self._loop({k: h2d(v, self.device) for k, v in inputs.items()}, rows)
         sig = tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()))
         g = self._graphs.get((bucket, sig))
         if g is None:

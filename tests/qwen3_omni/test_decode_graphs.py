@@ -259,3 +259,38 @@ def test_a_failed_predictor_capture_turns_its_graphs_off_and_reruns_eagerly(part
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert tried[0] and tried[1:] == [()] and loop.loop.buckets == ()
     assert "code predictor: CUDA graphs off" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (host syncs are a CUDA notion)")
+def test_a_decode_step_waits_for_the_device_once(checkpoint, monkeypatch):
+    """On CUDA, after a warm-up answer: each Talker decode step blocks the host once (the codes'
+    copy), each Thinker decode step twice (its tokens, then the text rows for the Talker, already
+    computed by then). Every other upload is asynchronous: a blocking host-to-device copy waits for
+    all the queued work, and the GPU idles while the host prepares what comes next."""
+    import warnings
+
+    from mstar.models.qwen3_omni.direct import generate, load_parts
+
+    p = load_parts(checkpoint, "cuda", torch.bfloat16, ("thinker", "talker", "code2wav"))
+    ids = prompts(p)[0]
+    counted: dict[str, list[int]] = {"thinker": [], "talker": []}
+
+    def counting(name, step):
+        def run(self):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = step(self)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counted[name].append(sum("synchronizing" in str(w.message) for w in seen))
+            return out
+        return run
+
+    generate(p, ids, max_tokens=6, talker_max_tokens=8)  # graphs captured, kernels compiled
+    monkeypatch.setattr(ThinkerEngine, "step", counting("thinker", ThinkerEngine.step))
+    monkeypatch.setattr(TalkerEngine, "step", counting("talker", TalkerEngine.step))
+    generate(p, ids, max_tokens=6, talker_max_tokens=8)
+    assert counted["thinker"][1:] == [2] * (len(counted["thinker"]) - 1), counted  # the first step: the prefill
+    assert counted["talker"][1:] == [1] * (len(counted["talker"]) - 1), counted
