@@ -186,7 +186,7 @@ class TalkerEngine:
         if no_eos:
             logits[h2d(torch.tensor(no_eos), dev), self.ids.codec_eos] = float("-inf")
         drawn = sample(logits, [s.start.sampling for s in seqs], [s.generator for s in seqs])
-        self.seen[slots, drawn] = True
+        self.seen.index_put_((slots, drawn), torch.ones_like(drawn, dtype=torch.bool))  # (``= True`` uploads a host scalar: a sync)
         going = [k for k, s in enumerate(seqs) if len(s.code0) + 1 < s.start.max_tokens]  # before code0 is known
         whole = None
         if going:

@@ -267,24 +267,32 @@ def test_a_decode_step_waits_for_the_device_once(checkpoint, monkeypatch):
     copy), each Thinker decode step twice (its tokens, then the text rows for the Talker, already
     computed by then). Every other upload is asynchronous: a blocking host-to-device copy waits for
     all the queued work, and the GPU idles while the host prepares what comes next."""
+    import traceback
     import warnings
 
     from mstar.models.qwen3_omni.direct import generate, load_parts
 
     p = load_parts(checkpoint, "cuda", torch.bfloat16, ("thinker", "talker", "code2wav"))
     ids = prompts(p)[0]
-    counted: dict[str, list[int]] = {"thinker": [], "talker": []}
+    syncs: dict[str, list[list[str]]] = {"thinker": [], "talker": []}  # per step, where each sync was made
 
     def counting(name, step):
         def run(self):
-            with warnings.catch_warnings(record=True) as seen:
+            where: list[str] = []
+
+            def show(message, *args, **kwargs):
+                if "synchronizing" in str(message):
+                    where.append("".join(traceback.format_stack(limit=6)[:-1]))
+
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = show
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     out = step(self)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            counted[name].append(sum("synchronizing" in str(w.message) for w in seen))
+            syncs[name].append(where)
             return out
         return run
 
@@ -292,5 +300,6 @@ def test_a_decode_step_waits_for_the_device_once(checkpoint, monkeypatch):
     monkeypatch.setattr(ThinkerEngine, "step", counting("thinker", ThinkerEngine.step))
     monkeypatch.setattr(TalkerEngine, "step", counting("talker", TalkerEngine.step))
     generate(p, ids, max_tokens=6, talker_max_tokens=8)
-    assert counted["thinker"][1:] == [2] * (len(counted["thinker"]) - 1), counted  # the first step: the prefill
-    assert counted["talker"][1:] == [1] * (len(counted["talker"]) - 1), counted
+    for name, want in (("thinker", 2), ("talker", 1)):
+        for where in syncs[name][1:]:  # the first step: the prefill
+            assert len(where) == want, f"{name} step: {len(where)} host syncs, made at\n" + "\n".join(where)
