@@ -18,6 +18,8 @@ Measured, per the issue's benchmark section:
     python bench/qwen3_omni/bench_omni.py --device cuda --out bench/results/qwen3_omni/h200.json
     python bench/qwen3_omni/bench_omni.py --device cuda --layout one --model-kwargs '{"code2wav_first_chunk_frames": 2}' ...
     python bench/qwen3_omni/bench_omni.py --device cuda --parts mstar --layout tp2 ...   # two GPUs: the Thinker at TP=2
+    python bench/qwen3_omni/bench_omni.py --device cuda --parts mstar --concurrency 1,16 --torch-profile /tmp/tp ...
+        # then one more answer at one stream under every node group's torch.profiler (bench/trace_gaps.py reads it)
     python bench/qwen3_omni/bench_omni.py --device cpu --tiny --out /tmp/omni-smoke.json   # checks the script
 """
 
