@@ -126,7 +126,11 @@ class TalkerEngine:
         if feeds:
             seqs = [self.seqs[r] for r in feeds]
             texts = [f.text for f in feeds.values() if f.text is not None]  # one upload, one projection
-            projected = iter(self.model.text_projection(h2d(torch.stack(texts), self.device).to(self.dtype)) if texts else ())
+            projected = iter(())
+            if texts:  # host rows (served: from the wire) go up together; rows already on a device each
+                up = h2d(torch.stack(texts), self.device) if all(t.device.type == "cpu" for t in texts) \
+                    else torch.stack([h2d(t, self.device) for t in texts])
+                projected = iter(self.model.text_projection(up.to(self.dtype)))
             text = torch.stack([self.tts_pad if f.text is None else next(projected) for f in feeds.values()])
             embeds = torch.stack([s.next_codec for s in seqs]) + text  # type: ignore[misc]
             pos = torch.cat([decode_positions(s.start.positions.shape[1], s.start.delta, 1, len(s.code0) - 1)
