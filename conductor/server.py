@@ -20,7 +20,7 @@ from functools import partial
 
 import grpc
 
-from mstar import auth, env, metrics, untrusted
+from mstar import auth, env, metrics, nvtx, torch_profile, untrusted
 from mstar import tls as mtls
 from mstar.conductor import act
 from mstar.conductor.convert import fill_chunk, invalid_argument_status, prompt_from_request
@@ -96,8 +96,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if len(prompt.text) > limit:  # before the model tokenises it
             raise InvalidArgument("text", f"at most {limit} characters (max_seq_len={self.model.max_seq_len} tokens) "
                                           f"for model '{self.model.name}', got {len(prompt.text)}")
-        prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
-        return prompt, self.model.process_prompt(prompt)
+        with nvtx.span("conductor: read request"):  # a profiler's range (mstar/torch_profile.py); off: a no-op
+            prompt.kwargs = self.model.validate_kwargs(prompt.kwargs)
+            return prompt, self.model.process_prompt(prompt)
 
     def _check_ids(self, client_id: str, timeout_s: float) -> None:
         """The request's own fields the conductor reads before the model does."""
@@ -180,7 +181,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 max(timeout - (time.perf_counter() - t0), 0), self.table.fail, ar, grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"request exceeded its timeout of {timeout:g} s")
             try:
-                self.table.start_walk(ar, self.model.next_walk(state, None))
+                with nvtx.span("conductor: first walk"):
+                    self.table.start_walk(ar, self.model.next_walk(state, None))
             except Exception as e:  # a bug in the state machine: fails this request like any later one
                 self.table.model_failed(ar, e)
             while True:
@@ -280,7 +282,9 @@ class WalkEventsServicer(conductor_pb2_grpc.WalkEventsServicer):
         try:
             async for batch in request_iterator:
                 acks: list[int] = []
-                self.table.on_batch(batch, await receiver.decode_batch_async(batch, acks))
+                decoded = await receiver.decode_batch_async(batch, acks)
+                with nvtx.span("conductor: frames in"):
+                    self.table.on_batch(batch, decoded)
                 if acks:
                     yield node_group_pb2.Ack(released_buffer_ids=acks)
         finally:
@@ -418,7 +422,11 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    profile = torch_profile.arm("conductor", loop)
     await stop.wait()
+    recording = profile.stop() if profile is not None else None
+    if recording is not None:  # one still on at the stop is written before the conductor drains
+        await loop.run_in_executor(None, profile.write, recording)
     log.info("conductor draining")
     await server.stop()
 

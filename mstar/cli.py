@@ -61,10 +61,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="NVTX ranges around node forwards, engine steps and tensor transfers in every service, for a "
                         "GPU profiler (needs CUDA; also MSTAR_NVTX=1; default off)")
     p.add_argument("--torch-profile", metavar="DIR",
-                   help="arm a torch.profiler trace in each node group: SIGUSR1 to its process starts a recording "
+                   help="arm a torch.profiler trace in each node group and the conductor: SIGUSR1 to its process starts a recording "
                         "(CPU ops of every thread, CUDA kernels, the NVTX spans as ranges), the next SIGUSR1 or "
                         "MSTAR_TORCH_PROFILE_S seconds (default 10) ends it; written as "
-                        "<group>-<pid>-<k>.trace.json.gz and .ops.txt into DIR (also MSTAR_TORCH_PROFILE=DIR; "
+                        "<group or conductor>-<pid>-<k>.trace.json.gz and .ops.txt into DIR (also MSTAR_TORCH_PROFILE=DIR; "
                         "default off; bench/trace_gaps.py summarises one)")
     p.add_argument("--socket-path-prefix", metavar="PREFIX",
                    help="prefix of this mesh's shared-memory segment names in /dev/shm (default mstar-<launcher "

@@ -62,7 +62,7 @@ class LaunchOptions:
     download: bool = False  # fetch checkpoints missing from the local caches (mstar.models.hub)
     shm_prefix: str | None = None  # shared-memory segment names' prefix (None: mstar-<launcher pid>-)
     nvtx: bool = False  # MSTAR_NVTX=1 for every service (the caller checked that CUDA is there)
-    torch_profile: str | None = None  # MSTAR_TORCH_PROFILE: node groups' torch.profiler traces go there
+    torch_profile: str | None = None  # MSTAR_TORCH_PROFILE: node groups' and the conductor's torch.profiler traces go there
     upload_dir: str | None = None  # where the gateway spills large uploads (None: they stay in memory)
     upload_spill_mb: float = 1.0  # a file part larger than this goes to upload_dir
     upload_dir_max_mb: float = 1024.0  # the most the gateway keeps in upload_dir at once

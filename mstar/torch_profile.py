@@ -1,10 +1,11 @@
-"""A torch.profiler trace of a node group while it serves (``mstar serve --torch-profile DIR``, or
-MSTAR_TORCH_PROFILE=DIR): its CPU ops on every thread, its CUDA kernels (those of CUDA-graph replays
-included), the host's CUDA syncs, and the NVTX spans (each node's forward or whole loop, each engine
-step, each frame batch sent or received) as labelled ranges, so the gaps between a request's GPU
-work show with what the host was doing then. No Nsight needed.
+"""A torch.profiler trace of a node group (or the conductor) while it serves (``mstar serve
+--torch-profile DIR``, or MSTAR_TORCH_PROFILE=DIR): its CPU ops on every thread, its CUDA kernels
+(those of CUDA-graph replays included), the host's CUDA syncs, and the NVTX spans (each node's
+forward or whole loop, each engine step, each frame batch sent or received; the conductor's reading
+of a request, its first walk, each frame batch in) as labelled ranges, so the gaps between a
+request's GPU work show with what the host was doing then. No Nsight needed.
 
-Armed, a node group records nothing until told: SIGUSR1 (``kill -USR1 <pid>``) starts a recording,
+Armed, a service records nothing until told: SIGUSR1 (``kill -USR1 <pid>``) starts a recording,
 the next SIGUSR1 ends it, and so does MSTAR_TORCH_PROFILE_S seconds (default 10) after its start:
 the profiler holds every event in memory, so a window bounds it. Each recording k is written, on a
 thread, into DIR:
@@ -114,6 +115,36 @@ class TorchProfile:
             f.write(averages.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=90) + "\n")
         log.info("torch profile written: %s, %s", trace, table)
         return [trace, table]
+
+
+def arm(name: str, loop) -> TorchProfile | None:
+    """MSTAR_TORCH_PROFILE (a node group's, the conductor's): SIGUSR1 starts a torch.profiler
+    recording on ``loop``, the next one (or its window's end) stops it and writes it on a thread.
+    The TorchProfile, or None (off). Recordings are named after ``name``."""
+    import signal
+
+    from mstar import env
+
+    folder = env.settings().torch_profile
+    if not folder:
+        return None
+    profile = TorchProfile(folder, name, env.settings().torch_profile_s)
+
+    def finish(k: int | None = None) -> None:
+        if k is not None and k != profile.recordings:  # the window of a recording already ended
+            return
+        rec = profile.stop()
+        if rec is not None:
+            loop.run_in_executor(None, profile.write, rec)
+
+    def toggle() -> None:
+        if profile.recording:
+            finish()
+        else:
+            loop.call_later(profile.window_s, finish, profile.start())
+    loop.add_signal_handler(signal.SIGUSR1, toggle)
+    log.info("%s: torch profiler armed (kill -USR1 %d starts and stops a recording, into %s)", name, os.getpid(), folder)
+    return profile
 
 
 def record_around(pids: list[int], folder: Path, run: Callable[[], T], timeout_s: float = 300.0) -> tuple[T, list[str]]:

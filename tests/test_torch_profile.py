@@ -53,10 +53,10 @@ def test_profile_records_every_thread_and_restores_spans(tmp_path):
 
 
 def test_sigusr1_starts_and_stops_a_recording(tmp_path, monkeypatch):
-    """A node group's arm_profile: SIGUSR1 starts, the next one stops and writes; a recording whose
-    window ends is written without a second signal."""
+    """``arm`` (a node group's, the conductor's): SIGUSR1 starts, the next one stops and writes; a
+    recording whose window ends is written without a second signal."""
     from mstar import env
-    from mstar.services.node_group.server import arm_profile
+    from mstar.torch_profile import arm
 
     monkeypatch.setenv("MSTAR_TORCH_PROFILE", str(tmp_path))
     monkeypatch.setenv("MSTAR_TORCH_PROFILE_S", "0.3")
@@ -64,7 +64,7 @@ def test_sigusr1_starts_and_stops_a_recording(tmp_path, monkeypatch):
 
     async def run():
         loop = asyncio.get_running_loop()
-        profile = arm_profile("grp", loop)
+        profile = arm("grp", loop)
         try:
             os.kill(os.getpid(), signal.SIGUSR1)
             await asyncio.sleep(0.05)
@@ -172,3 +172,44 @@ def test_torch_threads_setting(monkeypatch):
         torch.set_num_threads(before)
         monkeypatch.delenv("MSTAR_TORCH_THREADS")
         env.settings.cache_clear()
+
+
+def test_a_served_mesh_records_its_node_groups_and_conductor(tmp_path, toy_config, monkeypatch):
+    """``mstar serve --torch-profile`` end to end on the toy mesh (real processes): ``record_around``
+    signals every node group and the conductor around three requests; each writes its trace, and
+    the conductor's holds its spans (a request read, its first walk, frame batches in)."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    import grpc
+
+    from mstar.launcher import LaunchOptions, Mesh
+    from mstar.torch_profile import record_around
+    from mstar.v1 import conductor_pb2 as cpb
+    from mstar.v1 import conductor_pb2_grpc
+
+    monkeypatch.setenv("MSTAR_TORCH_PROFILE_S", "600")  # the signals end the recording, not a window
+    config = Path(__file__).resolve().parent.parent / "models" / "toy" / "configs" / "default.yaml"
+    mesh = Mesh(toy_config(), LaunchOptions(config, port=0, grpc_port=0, log_level="WARNING", torch_profile=str(tmp_path)))
+    mesh.start()
+    try:
+        def requests() -> int:
+            async def go():
+                async with grpc.aio.insecure_channel(mesh.conductor_address) as ch:
+                    stub = conductor_pb2_grpc.ConductorStub(ch)
+                    for _ in range(3):
+                        async for _ in stub.Generate(cpb.GenerateRequest(model="toy", text="hi"), timeout=30):
+                            pass
+                return 3
+            return asyncio.run(asyncio.wait_for(go(), 60))
+
+        pids = {s.name: s.proc.pid for s in mesh.services if s.kind in ("node_group", "conductor")}
+        done, files = record_around(list(pids.values()), tmp_path, requests, timeout_s=120)
+    finally:
+        mesh.stop()
+    assert done == 3
+    assert sorted(f for f in files if f.endswith(".ops.txt")) == sorted(f"{n}-{p}-1.ops.txt" for n, p in pids.items())
+    events = json.load(gzip.open(tmp_path / f"conductor-{pids['conductor']}-1.trace.json.gz"))["traceEvents"]
+    names = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    assert {"conductor: read request", "conductor: first walk", "conductor: frames in"} <= names

@@ -14,7 +14,7 @@ import sys
 
 import grpc
 
-from mstar import env, lifetime, metrics, nvtx
+from mstar import env, lifetime, metrics, nvtx, torch_profile
 from mstar import tls as mtls
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
@@ -260,7 +260,7 @@ async def serve(args: argparse.Namespace) -> None:
     watching = [loop.create_task(watch_engines(runtime, lost))]
     if followers:
         watching.append(loop.create_task(followers.watch(lost)))
-    profile = arm_profile(args.group, loop)
+    profile = torch_profile.arm(args.group, loop)
     await stop.wait()
     recording = profile.stop() if profile is not None else None
     if recording is not None:  # one still on when the group stops is written before it drains
@@ -277,34 +277,6 @@ async def serve(args: argparse.Namespace) -> None:
     await server.stop()
     if followers:
         await loop.run_in_executor(None, followers.stop)
-
-
-def arm_profile(group: str, loop: asyncio.AbstractEventLoop):
-    """MSTAR_TORCH_PROFILE: SIGUSR1 starts a torch.profiler recording, the next one (or its window's
-    end) stops it and writes it on a thread (mstar/torch_profile.py). The TorchProfile, or None (off)."""
-    folder = env.settings().torch_profile
-    if not folder:
-        return None
-    from mstar.torch_profile import TorchProfile
-
-    profile = TorchProfile(folder, group, env.settings().torch_profile_s)
-
-    def finish(k: int | None = None) -> None:
-        if k is not None and k != profile.recordings:  # the window of a recording already ended
-            return
-        rec = profile.stop()
-        if rec is not None:
-            loop.run_in_executor(None, profile.write, rec)
-
-    def toggle() -> None:
-        if profile.recording:
-            finish()
-        else:
-            loop.call_later(profile.window_s, finish, profile.start())
-    loop.add_signal_handler(signal.SIGUSR1, toggle)
-    log.info("node group '%s': torch profiler armed (kill -USR1 %d starts and stops a recording, into %s)",
-             group, os.getpid(), folder)
-    return profile
 
 
 def main(argv=None) -> None:
