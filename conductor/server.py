@@ -424,9 +424,7 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     profile = torch_profile.arm("conductor", loop)
     await stop.wait()
-    recording = profile.stop() if profile is not None else None
-    if recording is not None:  # one still on at the stop is written before the conductor drains
-        await loop.run_in_executor(None, profile.write, recording)
+    await torch_profile.write_pending(profile, loop)
     log.info("conductor draining")
     await server.stop()
 

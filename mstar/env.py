@@ -20,8 +20,8 @@ class Settings:
     round_budget_s: float
     #: NVTX ranges around node forwards, engine steps and tensor transfers (mstar serve --enable-nvtx)
     nvtx: bool
-    #: node groups record torch.profiler traces into this folder, each from one SIGUSR1 to the
-    #: next (mstar serve --torch-profile; mstar.torch_profile); "" off
+    #: node groups and the conductor record torch.profiler traces into this folder, each from one
+    #: SIGUSR1 to the next (mstar serve --torch-profile; mstar.torch_profile); "" off
     torch_profile: str
     #: how long one such recording lasts at most (seconds)
     torch_profile_s: float

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +122,8 @@ class TorchProfile:
 def arm(name: str, loop) -> TorchProfile | None:
     """MSTAR_TORCH_PROFILE (a node group's, the conductor's): SIGUSR1 starts a torch.profiler
     recording on ``loop``, the next one (or its window's end) stops it and writes it on a thread.
-    The TorchProfile, or None (off). Recordings are named after ``name``."""
-    import signal
-
+    The TorchProfile, or None (off). Recordings are named after ``name``; ``write_pending`` at the
+    service's stop."""
     from mstar import env
 
     folder = env.settings().torch_profile
@@ -147,15 +148,19 @@ def arm(name: str, loop) -> TorchProfile | None:
     return profile
 
 
-def record_around(pids: list[int], folder: Path, run: Callable[[], T], timeout_s: float = 300.0) -> tuple[T, list[str]]:
-    """Benchmarks: start a recording in each of ``pids`` (node groups serving with ``--torch-profile
-    folder``), ``run()``, stop them, and wait until each has written its trace. Returns run's
-    result and the folder's file names. Each SIGUSR1 is handled on its group's event loop, so the
-    recordings start within a moment of the signal; arm the groups with a window
-    (MSTAR_TORCH_PROFILE_S) longer than ``run`` takes."""
-    import signal
-    import time
+async def write_pending(profile: TorchProfile | None, loop) -> None:
+    """At a service's stop: a recording still on is stopped and written before the service drains."""
+    recording = profile.stop() if profile is not None else None
+    if recording is not None:
+        await loop.run_in_executor(None, profile.write, recording)
 
+
+def record_around(pids: list[int], folder: Path, run: Callable[[], T], timeout_s: float = 300.0) -> tuple[T, list[str]]:
+    """Benchmarks: start a recording in each of ``pids`` (node groups or the conductor, serving with
+    ``--torch-profile folder``), ``run()``, stop them, and wait until each has written its trace.
+    Returns run's result and the folder's file names. Each SIGUSR1 is handled on its service's
+    event loop, so the recordings start within a moment of the signal; arm the services with a
+    window (MSTAR_TORCH_PROFILE_S) longer than ``run`` takes."""
     before = len(list(folder.glob("*.ops.txt")))
     for pid in pids:
         os.kill(pid, signal.SIGUSR1)
@@ -168,6 +173,6 @@ def record_around(pids: list[int], folder: Path, run: Callable[[], T], timeout_s
     deadline = time.monotonic() + timeout_s
     while len(list(folder.glob("*.ops.txt"))) < before + len(pids):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the node groups' torch profiles did not appear in {folder} within {timeout_s:.0f} s")
+            raise TimeoutError(f"the services' torch profiles did not appear in {folder} within {timeout_s:.0f} s")
         time.sleep(0.5)
     return result, sorted(p.name for p in folder.iterdir())

@@ -262,9 +262,7 @@ async def serve(args: argparse.Namespace) -> None:
         watching.append(loop.create_task(followers.watch(lost)))
     profile = torch_profile.arm(args.group, loop)
     await stop.wait()
-    recording = profile.stop() if profile is not None else None
-    if recording is not None:  # one still on when the group stops is written before it drains
-        await loop.run_in_executor(None, profile.write, recording)
+    await torch_profile.write_pending(profile, loop)
     log.info("node group '%s' draining", args.group)
     runtime.links.drain()
     joining.cancel()
