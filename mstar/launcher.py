@@ -347,6 +347,10 @@ class Mesh:
             lines.append(self.proxy.describe())
         return "\n".join(lines)
 
+    def profiled_pids(self) -> dict[str, int]:
+        """The processes ``torch_profile`` arms (node groups and the conductor), by service name."""
+        return {s.name: s.proc.pid for s in self.services if s.kind in ("node_group", "conductor") and s.proc}
+
     def metrics_urls(self) -> dict[str, str]:
         """Where Prometheus scrapes each service (Envoy: its admin interface)."""
         urls = {s.name: f"http://{s.address.rsplit(':', 1)[0]}:{s.metrics_port}/metrics"

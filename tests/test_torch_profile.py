@@ -204,7 +204,8 @@ def test_a_served_mesh_records_its_node_groups_and_conductor(tmp_path, toy_confi
                 return 3
             return asyncio.run(asyncio.wait_for(go(), 60))
 
-        pids = {s.name: s.proc.pid for s in mesh.services if s.kind in ("node_group", "conductor")}
+        pids = mesh.profiled_pids()
+        assert sorted(pids) == ["audio", "conductor", "decoder", "encoder"]
         done, files = record_around(list(pids.values()), tmp_path, requests, timeout_s=120)
     finally:
         mesh.stop()

@@ -71,12 +71,13 @@ def start_mesh(root: Path, ckpt: Path, device: str, torch_profile: str | None = 
 
 
 def profiled(mesh, folder: Path, requests: int) -> dict:
-    """``requests`` more at one client while the node group records a torch.profiler trace
-    (``record_around``). Their latencies (the profiler slows the host side) and the trace's files."""
+    """``requests`` more at one client while the node group and the conductor record torch.profiler
+    traces (``record_around``). Their latencies (the profiler slows the host side) and the files."""
     from mstar.torch_profile import record_around
 
-    groups = [s.proc.pid for s in mesh.services if s.kind == "node_group"]
-    out, files = record_around(groups, folder, lambda: asyncio.run(grpc_levels(mesh.conductor_address, requests, 0, [], {}))["grpc_1"])
+    def run() -> dict:
+        return asyncio.run(grpc_levels(mesh.conductor_address, requests, 0, [], {}))["grpc_1"]
+    out, files = record_around(list(mesh.profiled_pids().values()), folder, run)
     return out | {"files": files}
 
 

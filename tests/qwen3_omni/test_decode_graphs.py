@@ -301,5 +301,6 @@ def test_a_decode_step_waits_for_the_device_once(checkpoint, monkeypatch):
     monkeypatch.setattr(TalkerEngine, "step", counting("talker", TalkerEngine.step))
     generate(p, ids, max_tokens=6, talker_max_tokens=8)
     for name, want in (("thinker", 2), ("talker", 1)):
+        assert len(syncs[name]) >= 2, syncs  # the counting ran: a prefill, then decode steps
         for where in syncs[name][1:]:  # the first step: the prefill
             assert len(where) == want, f"{name} step: {len(where)} host syncs, made at\n" + "\n".join(where)
