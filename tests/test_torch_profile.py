@@ -89,6 +89,36 @@ def test_sigusr1_starts_and_stops_a_recording(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.glob("*.ops.txt")) == [f"grp-{os.getpid()}-{k}.ops.txt" for k in (1, 2)]
 
 
+def test_a_recording_still_on_at_the_stop_is_written(tmp_path, monkeypatch):
+    """``write_pending`` (a service's stop): the recording SIGUSR1 started is stopped and written;
+    with nothing recording, or profiling off, it does nothing."""
+    from mstar import env
+    from mstar.torch_profile import arm, write_pending
+
+    monkeypatch.setenv("MSTAR_TORCH_PROFILE", str(tmp_path))
+    env.settings.cache_clear()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        profile = arm("svc", loop)
+        try:
+            await write_pending(profile, loop)  # nothing on: nothing written
+            assert not list(tmp_path.iterdir())
+            os.kill(os.getpid(), signal.SIGUSR1)
+            await asyncio.sleep(0.05)
+            assert profile.recording
+            await write_pending(profile, loop)
+            assert not profile.recording
+            await write_pending(None, loop)  # profiling off
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+    try:
+        asyncio.run(run())
+    finally:
+        env.settings.cache_clear()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"svc-{os.getpid()}-1.{e}" for e in ("ops.txt", "trace.json.gz")]
+
+
 def test_stacked_spans_push_both_and_pop_in_reverse():
     calls = []
     nvtx.configure(True, lambda n: calls.append(("a+", n)), lambda: calls.append(("a-",)))
