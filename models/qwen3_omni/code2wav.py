@@ -18,6 +18,7 @@ from torch import nn
 
 from mstar.models.qwen3_omni.config import Code2WavConfig
 from mstar.models.qwen3_omni.layers import RMSNorm, SwiGLU, apply_rope, inv_freq, rope_1d
+from mstar.services.engines.loop_graph import DEFAULT_BUCKETS, LoopGraphs
 
 
 class CausalConv(nn.Module):
@@ -199,3 +200,45 @@ class Code2Wav(nn.Module):
             out.append(self.decode_chunk(codes[..., start - ctx : end], ctx))
             start = end
         return torch.cat(out, dim=-1)
+
+
+class ChunkGraphs:
+    """``Code2Wav.decode_chunk`` replayed as CUDA graphs: a chunk's decode is hundreds of small
+    kernels (its host time, eager, is several times its GPU time). One ``LoopGraphs`` of one
+    iteration per left-context length, each with a graph per batch bucket and chunk length, all in
+    one memory pool (a node's chunks decode one batch at a time).
+
+    The new frames are right-padded to the next of 1, 2, 4, 8... below ``chunk`` (else ``chunk``):
+    the decoder is causal, so frames after the last new one change none of its samples, and theirs
+    are cut. A stream's last, partial chunk then replays a graph its full chunks made. At most
+    ``max_shapes`` (context, length) shapes get graphs; others decode eagerly."""
+
+    def __init__(self, dec: Code2Wav, device: torch.device | str, chunk: int,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, max_shapes: int = 32):
+        self.dec, self.device, self.buckets, self.max_shapes = dec, torch.device(device), buckets, max_shapes
+        self.sizes = sorted({*(1 << k for k in range(chunk.bit_length()) if 1 << k < chunk), chunk})
+        self.loops: dict[int, LoopGraphs] = {}
+        self.shapes: set[tuple[int, int]] = set()
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
+    def padded(self, new: int) -> int:
+        """The chunk length ``new`` new frames decode at (``new`` itself past ``chunk``)."""
+        return next((s for s in self.sizes if s >= new), new)
+
+    def decode(self, codes: torch.Tensor, context: int) -> torch.Tensor:
+        """``decode_chunk(codes, context)``: codes [B, Q, context + new] -> the new frames' samples [B, 1, S]."""
+        new = codes.shape[-1] - context
+        size = self.padded(new)
+        if (context, size) not in self.shapes and len(self.shapes) >= self.max_shapes:
+            return self.dec.decode_chunk(codes, context)
+        self.shapes.add((context, size))
+        loop = self.loops.get(context)
+        if loop is None:
+            def body(s: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+                return {"wav": self.dec.decode_chunk(s["codes"], context)}
+            loop = self.loops[context] = LoopGraphs(body, 1, (), self.device, self.buckets, f"code2wav@{context}",
+                                                    self.pool)
+        if size > new:
+            codes = F.pad(codes, (0, size - new))  # code 0 after the last new frame: its samples are cut
+        wav = loop.run({"codes": codes})["wav"]
+        return wav[..., : wav.shape[-1] - (size - new) * self.dec.samples_per_frame]  # each padded frame's samples

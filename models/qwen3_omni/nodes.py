@@ -10,12 +10,16 @@ import torch
 
 from mstar.models.base import EngineNode, NodeCall, NodeContext, NodeSubmodule
 from mstar.models.qwen3_omni.cache import NoCache
+from mstar.models.qwen3_omni.code2wav import ChunkGraphs
 from mstar.models.qwen3_omni.direct import load_parts
 from mstar.models.qwen3_omni.knobs import OmniServeConfig
 from mstar.models.qwen3_omni.layers import compile_layers, warm_compiled
+from mstar.models.qwen3_omni.model import codec_policy
+from mstar.models.qwen3_omni.predictor_loop import warm_predictor
 from mstar.models.qwen3_omni.sampling import Sampling
 from mstar.models.qwen3_omni.talker_engine import TalkerEngine, TalkerFeed, TalkerStart
 from mstar.models.qwen3_omni.thinker_engine import OmniOut, ThinkerEngine, ThinkerStart
+from mstar.services.node_group.streams import Chunker
 
 log = logging.getLogger(__name__)
 DONE, GOING = torch.tensor([1]), torch.tensor([0])
@@ -105,9 +109,12 @@ class TalkerNode(EngineNode):
         assert p.talker is not None
         self.cfg = p.cfg
         p.talker.code_predictor.cuda_graphs = kw.cuda_graphs
-        if ctx.compile:
+        if ctx.compile:  # the Talker's layers and the code predictor's frame loop
+            cp = p.talker.code_predictor
             compile_layers(p.talker.model)
+            compile_layers(cp.model)
             warm_compiled(lambda e, pos: p.talker(e, pos, NoCache()), p.cfg.talker.hidden_size, dtype_of(ctx), ctx.device)
+            warm_predictor(cp, dtype_of(ctx), ctx.device, kw.max_num_seqs)
         self.engine = TalkerEngine(p.talker, p.specials(), kw.max_num_seqs, max_seq_len, kw.cuda_graphs)
         self.no_frame = torch.zeros(0, p.cfg.num_code_groups, dtype=torch.int64)
         log.info("qwen3-omni talker loaded from %s on %s", checkpoint, ctx.device)
@@ -175,13 +182,41 @@ class VisionEncoderNode(_Stateless):
         return {"image_embeds": merged.float().cpu(), "deepstack": torch.stack(deep).float().cpu()}
 
 
+def chunk_shapes(policy, frames: int) -> list[tuple[int, int]]:
+    """(left context, new frames) of each chunk ``policy`` cuts from a stream of ``frames`` frames
+    (before it ends)."""
+    cut, shapes = Chunker(policy, keep_rows=False), []
+    for _ in range(frames):
+        for info, _ in cut.push(torch.zeros(1)):  # one frame: at most one chunk, ending at what is covered
+            shapes.append((info.new_from - info.start, cut.covered - info.new_from))
+    return shapes
+
+
 class Code2WavNode(_Stateless):
     """One chunk of frames (with its left context first) -> the new frames' samples. Chunks of
     the same length and context (every full chunk past the first few) decode as one batch."""
 
     def __init__(self, checkpoint: Path, ctx: NodeContext):
+        kw = OmniServeConfig.parse(ctx.model_kwargs)
         p = load_parts(checkpoint, ctx.device, dtype_of(ctx), ("code2wav",))
         self.dec, self.device = p.code2wav, ctx.device
+        self.graphs = None
+        if kw.cuda_graphs and torch.device(ctx.device).type == "cuda":  # chunks replay CUDA graphs
+            self.graphs = ChunkGraphs(self.dec, ctx.device, kw.code2wav_chunk_frames)
+            self._warm(codec_policy(kw), kw.code2wav_chunk_frames, kw.code2wav_left_context_frames)
+
+    def _warm(self, policy, chunk: int, left_context: int) -> None:
+        """The graphs of one stream's chunks as the codec stream's policy cuts them, and of its
+        steady chunk at every batch bucket: made now rather than at the first requests."""
+        shapes = chunk_shapes(policy, left_context + 4 * chunk)
+        q = self.dec.cfg.num_quantizers
+        assert self.graphs is not None
+        with torch.inference_mode():
+            for context, new in dict.fromkeys(shapes):
+                self.graphs.decode(torch.zeros(1, q, context + new, dtype=torch.int64, device=self.device), context)
+            context, new = shapes[-1]
+            for rows in self.graphs.buckets:
+                self.graphs.decode(torch.zeros(rows, q, context + new, dtype=torch.int64, device=self.device), context)
 
     def forward(self, batch: list[NodeCall]) -> list[dict[str, torch.Tensor]]:
         out: list[dict[str, torch.Tensor]] = [{"audio": torch.zeros(0)} for _ in batch]
@@ -193,7 +228,8 @@ class Code2WavNode(_Stateless):
         with torch.inference_mode():
             for (_, context), rows in groups.items():
                 codes = torch.stack([batch[i].inputs["codes"].T for i in rows]).to(self.device)
-                wav = self.dec.decode_chunk(codes, context)[:, 0].float().cpu()
+                wav = (self.dec.decode_chunk(codes, context) if self.graphs is None
+                       else self.graphs.decode(codes, context))[:, 0].float().cpu()
                 for j, i in enumerate(rows):
                     out[i] = {"audio": wav[j]}
         return out

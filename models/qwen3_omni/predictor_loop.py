@@ -17,8 +17,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mstar.models.qwen3_omni.layers import apply_rope, rope_1d
+from mstar.models.qwen3_omni.layers import _attn_in, _rms, apply_rope, rope_1d
 from mstar.models.qwen3_omni.sampling import Sampling, _warp
+from mstar.services.engines.compiled import compiled, owned
 from mstar.services.engines.loop_graph import CaptureFailed, LoopGraphs
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class PredictorLoop:
         self.groups = predictor.groups
         cfg = predictor.cfg
         self.kv, self.d = cfg.num_kv_heads, cfg.head_dim
+        # the rotary tables of the frame's positions 0..G-1 (iteration i's row: no kernels in the loop)
+        self.cos, self.sin = rope_1d(torch.arange(self.groups, device=device), predictor.freqs)
         carried = ("x", "codes", "total", *(f"{c}{i}" for i in range(cfg.num_layers) for c in "kv"))
         self.loop = LoopGraphs(self._body, self.groups, carried, device, BUCKETS if graphs else (), name="code_predictor")
 
@@ -63,32 +66,82 @@ class PredictorLoop:
         return out["codes"], out["total"]
 
     def _body(self, s: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        """Iteration ``i``; a layer under ``compile_layers`` (``layer.compiled``: on a GPU) runs the
+        work around its GEMMs and the attention as torch.compile'd pieces, else eagerly."""
         p = self.p
         out = dict(s)
         x = s["x"]
-        cos, sin = rope_1d(torch.full((x.shape[0],), i, device=x.device), p.freqs)
+        cos, sin = self.cos[i : i + 1], self.sin[i : i + 1]  # broadcast over the rows
         for n, layer in enumerate(p.model.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_norm(a.q_proj(h).view(-1, a.heads, a.head_dim))
-            k = a.k_norm(a.k_proj(h).view(-1, a.kv_heads, a.head_dim))
-            v = a.v_proj(h).view(-1, a.kv_heads, a.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            a, backend = layer.self_attn, layer.compiled
+            if backend is not None:
+                x = owned(x)
+                n1 = layer.input_layernorm
+                q, k, v = compiled(_attn_in, backend)(x, cos, sin, n1.weight, n1.eps, a.q_proj.weight, a.k_proj.weight,
+                                                      a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, a.heads,
+                                                      a.kv_heads, a.head_dim)
+            else:
+                h = layer.input_layernorm(x)
+                q = a.q_norm(a.q_proj(h).view(-1, a.heads, a.head_dim))
+                k = a.k_norm(a.k_proj(h).view(-1, a.kv_heads, a.head_dim))
+                v = a.v_proj(h).view(-1, a.kv_heads, a.head_dim)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kc, vc = s[f"k{n}"].clone(), s[f"v{n}"].clone()  # (no host tensors inside a capture)
             kc[:, :, i], vc[:, :, i] = k, v
             out[f"k{n}"], out[f"v{n}"] = kc, vc
             att = F.scaled_dot_product_attention(q[:, :, None], kc[:, :, : i + 1], vc[:, :, : i + 1], enable_gqa=True)
-            x = x + a.o_proj(att[:, :, 0].reshape(x.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            o = a.o_proj(att[:, :, 0].reshape(x.shape[0], -1))
+            if backend is not None:
+                n2, m = layer.post_attention_layernorm, layer.mlp
+                x = compiled(_dense_out, backend)(x, o, n2.weight, n2.eps, m.gate_proj.weight, m.up_proj.weight,
+                                                  m.down_proj.weight)
+            else:
+                x = x + o
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i == 0:
             out["x"] = s["e0"]
             return out
-        logits = p.lm_head[i - 1](p.model.norm(x)).float()
-        noisy = (torch.log_softmax(_warp(logits, self.sampling), -1) + s["noise"][:, i - 1]).argmax(-1)
-        code = torch.where(s["greedy"], logits.argmax(-1), noisy)
+        backend = p.model.layers[0].compiled
+        if backend is not None:
+            code = compiled(_draw, backend)(owned(x), p.model.norm.weight, p.model.norm.eps, p.lm_head[i - 1].weight,
+                                            s["noise"][:, i - 1], s["greedy"], self.sampling)
+        else:
+            code = _draw(x, p.model.norm.weight, p.model.norm.eps, p.lm_head[i - 1].weight, s["noise"][:, i - 1],
+                         s["greedy"], self.sampling)
         emb = p.model.codec_embedding[i - 1](code)
         codes = s["codes"].clone()
         codes[:, i - 1] = code
         out["codes"] = codes
         out["total"], out["x"] = s["total"] + emb, emb
         return out
+
+
+def warm_predictor(predictor, dtype: torch.dtype, device: torch.device | str, max_rows: int) -> None:
+    """Run the code predictor's frame loop once at every batch bucket up to ``max_rows``' (the
+    Talker's most sequences), as the Talker's engine runs
+    it (inference mode, greedy and sampled rows): its compiled pieces (``compile_layers``) are
+    compiled and, on CUDA, every bucket's graph captured before any engine steps (torch.compile is
+    not thread-safe: services/engines/compiled.py)."""
+    h = predictor.cfg.hidden_size
+    with torch.inference_mode():
+        for rows in BUCKETS[: next((i + 1 for i, b in enumerate(BUCKETS) if b >= max_rows), len(BUCKETS))]:
+            x = torch.zeros(rows, h, dtype=dtype, device=device)
+            greedy = torch.arange(rows, device=device) % 2 == 0
+            predictor.predict(x, x, greedy, [None] * rows)
+
+
+# -- the frame loop's pieces (torch.compile'd under ``compile_layers``; services/engines/compiled.py) --
+
+def _dense_out(x, o, norm_w, eps: float, gate_w, up_w, down_w):
+    """A dense layer after its attention: the residual, the norm, the SwiGLU MLP, the residual."""
+    x = x + o
+    h = _rms(x, norm_w, eps)
+    return x + F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+
+
+def _draw(x, norm_w, eps: float, head_w, noise, greedy, sampling: Sampling):
+    """The final norm and a codebook's head, then its code: argmax for greedy rows, else Gumbel-max
+    over the warped log-probabilities (``noise``: that codebook's Gumbel noise)."""
+    logits = F.linear(_rms(x, norm_w, eps), head_w).float()
+    noisy = (torch.log_softmax(_warp(logits, sampling), -1) + noise).argmax(-1)
+    return torch.where(greedy, logits.argmax(-1), noisy)

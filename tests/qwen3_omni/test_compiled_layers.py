@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounter
 
 from mstar.models.qwen3_omni.cache import NoCache
 from mstar.models.qwen3_omni.layers import compile_layers, grouped_mm_ok, warm_compiled
+from mstar.models.qwen3_omni.predictor_loop import warm_predictor
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine
 from mstar.models.qwen3_omni.thinker_tp import ExpertParallelMoe
 
@@ -82,6 +83,38 @@ def test_talker_with_its_shared_expert_as_eager(parts, bf16):
     want, got = _both(lambda: talker(x, pos, NoCache()), talker.model, counter)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert counter.frame_count >= 3  # the compiled pieces ran (attention in, add + norm, the MoE)
+
+
+def test_code_predictor_frame_as_eager_and_warmed(parts, bf16):
+    """The code predictor's frame loop with its layers under ``compile_layers`` (as the Talker's
+    node runs it on a GPU): the same codes and embedding sum as the eager loop for greedy and
+    seeded sampled rows; three pieces, each compiled for one row and for more (not per layer or
+    per codebook); and after ``warm_predictor`` a frame of any batch compiles nothing."""
+    cp = bf16[1].code_predictor
+    g = torch.Generator().manual_seed(21)
+    h = parts.cfg.talker.hidden_size
+    hidden, e0 = (torch.randn(3, h, generator=g).to(torch.bfloat16) for _ in range(2))
+
+    def frame(rows=3):  # fresh inputs made in inference mode, as the Talker's engine makes them
+        gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)][:rows]
+        with torch.inference_mode():
+            return cp.predict(hidden[:rows].clone(), e0[:rows].clone(), torch.tensor([True, False, False][:rows]), gens)
+    counter = CompileCounter()
+    want, got = _both(frame, cp.model, counter)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    assert 3 <= counter.frame_count <= 6
+    counter = CompileCounter()
+    try:
+        compile_layers(cp.model, counter)
+        warm_predictor(cp, torch.bfloat16, "cpu", max_rows=4)
+        warmed = counter.frame_count
+        assert warmed >= 3
+        for rows in (1, 2, 3):
+            frame(rows)
+        assert counter.frame_count == warmed
+    finally:
+        compile_layers(cp.model, None)
 
 
 class _OneRank:

@@ -240,6 +240,30 @@ def test_cuda_graph_replays_equal_the_eager_body(checkpoint, dtype):
         assert [loop.stats.graph_replays for loop in decode.loops.values()] == [1, 1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Code2Wav chunks as CUDA graph replays)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.inference_mode()
+def test_code2wav_chunk_graphs_equal_the_eager_decode(checkpoint, dtype):
+    """On CUDA: chunks of 1 and 3 rows (buckets 1 and 4), a first chunk, a full one and a partial
+    last one (padded to a full chunk's length), each a graph replay, against ``decode_chunk``
+    eagerly (the batch and chunk lengths differ, so within a tolerance)."""
+    from mstar.models.qwen3_omni.code2wav import ChunkGraphs
+    from mstar.models.qwen3_omni.direct import load_parts
+
+    dec = load_parts(checkpoint, "cuda", dtype, ("code2wav",)).code2wav
+    graphs = ChunkGraphs(dec, "cuda", chunk=10)
+    codes = torch.randint(0, 64, (3, dec.cfg.num_quantizers, 35), generator=torch.Generator().manual_seed(13)).cuda()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for rows in (1, 3):
+        for context, new in ((0, 4), (25, 10), (25, 3)):
+            chunk = codes[:rows, :, : context + new]
+            got, want = graphs.decode(chunk, context).float(), dec.decode_chunk(chunk, context).float()
+            assert got.shape == want.shape
+            assert (got - want).abs().max() <= tol * want.abs().max(), (rows, context, new)
+    assert sum(loop.stats.graph_replays for loop in graphs.loops.values()) == 6
+    assert sum(loop.stats.eager_runs for loop in graphs.loops.values()) == 0
+
+
 def test_a_failed_predictor_capture_turns_its_graphs_off_and_reruns_eagerly(parts, monkeypatch, caplog):
     """The code predictor's frame loop, as on CUDA when a capture raises: logged, the same codes
     eagerly from then on."""

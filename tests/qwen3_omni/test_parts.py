@@ -136,6 +136,37 @@ def test_code2wav_whole_and_chunked(parts, reference, chunk, left):
         close(stream_decode(parts.code2wav, codes[0].T, LeftContext(chunk, left)), ref[0, 0])
 
 
+def test_code2wav_chunks_padded_to_a_graph_length_keep_their_samples(parts):
+    """``ChunkGraphs`` right-pads a chunk's new frames to the next of 1, 2, 4, 8... or the full
+    chunk (a stream's partial last chunk replays a full chunk's graph) and cuts the padding's
+    samples: the decoder is causal, so the samples equal the unpadded decode's (here eager: no
+    CUDA). Past ``max_shapes`` shapes a chunk decodes at its own length."""
+    from mstar.models.qwen3_omni.code2wav import ChunkGraphs
+
+    dec = parts.code2wav
+    graphs = ChunkGraphs(dec, "cpu", chunk=10, max_shapes=4)
+    assert graphs.sizes == [1, 2, 4, 8, 10] and [graphs.padded(n) for n in (1, 3, 5, 9, 10, 12)] == [1, 4, 8, 10, 10, 12]
+    codes = torch.randint(0, 64, (2, 4, 35), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        for context, new in ((0, 4), (25, 3), (25, 9), (16, 10), (4, 5), (7, 2)):
+            chunk = codes[..., : context + new]
+            close(graphs.decode(chunk, context), dec.decode_chunk(chunk, context), rtol=1e-5)
+    assert graphs.shapes == {(0, 4), (25, 4), (25, 10), (16, 10)}  # (4, 8) and (7, 2): past max_shapes
+    assert sorted(graphs.loops) == [0, 16, 25]
+
+
+def test_code2wav_warms_the_chunk_shapes_its_policy_cuts():
+    """The shapes the Code2Wav node makes graphs for at start: each chunk of one stream as the
+    runtime's chunker cuts it, with and without a short first chunk and its ramp."""
+    from mstar.models.qwen3_omni.knobs import OmniServeConfig
+    from mstar.models.qwen3_omni.model import codec_policy
+    from mstar.models.qwen3_omni.nodes import chunk_shapes
+
+    assert chunk_shapes(codec_policy(OmniServeConfig()), 65) == [(0, 10), (10, 10), (20, 10), (25, 10), (25, 10), (25, 10)]
+    ramp = codec_policy(OmniServeConfig(code2wav_first_chunk_frames=4))
+    assert chunk_shapes(ramp, 46) == [(0, 4), (4, 4), (8, 8), (16, 10), (25, 10), (25, 10)]
+
+
 def test_thinker_with_image_and_video(parts, reference):
     """A video's temporal positions (seconds per temporal patch x position_id_per_seconds) and the
     joint DeepStack rows of an image and a video (prompt order)."""
