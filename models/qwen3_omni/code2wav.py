@@ -3,9 +3,10 @@
 Codes are embedded (one table, offset per quantizer) and averaged, run through a causal
 sliding-window transformer, upsampled by causal transposed convs with ConvNeXt blocks, then a
 causal conv decoder with SnakeBeta activations. Everything is causal, so a chunk decoded with
-enough left context reproduces the whole decode's samples; transformers' ``chunked_decode`` (and
-our streaming) decodes ``chunk`` new frames with up to ``left_context`` earlier ones and drops the
-context's samples.
+enough left context reproduces the whole decode's samples. transformers' ``chunked_decode`` decodes
+``chunk`` new frames with up to ``left_context`` earlier ones and keeps the samples after the
+context's; our streaming (``decode_chunk``) starts each chunk where the one before it stopped, so
+the stream has every sample of the whole decode.
 """
 
 from __future__ import annotations
@@ -188,16 +189,25 @@ class Code2Wav(nn.Module):
         return h.clamp(-1, 1)
 
     def decode_chunk(self, codes: torch.Tensor, context: int) -> torch.Tensor:
-        """codes [B, Q, T] whose first ``context`` frames are left context -> the samples of the
-        other frames (as ``chunked_decode`` keeps them)."""
-        return self(codes)[..., context * self.samples_per_frame :]
+        """codes [B, Q, T] whose first ``context`` frames are left context -> the samples from where
+        the decode of the frames before them stopped, to where this one stops.
+
+        A decode ends ``tail`` samples short of its last frame (the transposed convolutions' trim:
+        those samples need the next frames), so the next chunk's decode, which has those frames,
+        starts ``tail`` samples inside its context. Chunks so cut tile the whole decode's samples
+        (given enough left context); transformers' ``chunked_decode`` starts each chunk after its
+        context instead, and drops each chunk's tail (``chunked_decode``, for parity, does too)."""
+        wav = self(codes)
+        tail = codes.shape[-1] * self.samples_per_frame - wav.shape[-1]
+        return wav[..., max(0, context * self.samples_per_frame - tail) :]
 
     def chunked_decode(self, codes: torch.Tensor, chunk: int = 300, left_context: int = 25) -> torch.Tensor:
+        """transformers' ``chunked_decode``: each chunk's samples after its context's."""
         out, start, total = [], 0, codes.shape[-1]
         while start < total:
             end = min(start + chunk, total)
             ctx = min(left_context, start)
-            out.append(self.decode_chunk(codes[..., start - ctx : end], ctx))
+            out.append(self(codes[..., start - ctx : end])[..., ctx * self.samples_per_frame :])
             start = end
         return torch.cat(out, dim=-1)
 

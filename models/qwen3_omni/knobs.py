@@ -30,8 +30,9 @@ class OmniServeConfig(Knobs):
                                        "(12.5 a second); the reference decodes 300 at a time")
     code2wav_left_context_frames: int = Field(25, ge=0, le=300, description="earlier frames decoded as context "
                                               "(the reference's 25)")
-    code2wav_first_chunk_frames: int | None = Field(None, ge=1, le=300, description="frames of the first decode "
-                                                    "(fewer: earlier first audio); None: code2wav_chunk_frames")
+    code2wav_first_chunk_frames: int | None = Field(4, ge=1, le=300, description="frames of the first decode "
+                                                    "(fewer: earlier first audio; 4 frames are 0.32 s of audio); "
+                                                    "None: code2wav_chunk_frames")
     code2wav_ramp: bool = Field(True, description="after a shorter first chunk, each chunk brings at most as many "
                                 "new frames as all before it (4, 4, 8, then code2wav_chunk_frames): no silence "
                                 "between chunks while the speech is made faster than real time")

@@ -123,17 +123,28 @@ def test_code_predictor_greedy(parts, reference):
 
 @pytest.mark.parametrize("chunk,left", [(300, 25), (10, 25), (7, 3)])
 def test_code2wav_whole_and_chunked(parts, reference, chunk, left):
-    """Whole and chunked decodes equal transformers'; the served stream's chunking (the runtime's
-    chunker under LeftContext) equals ``chunked_decode``."""
+    """Whole and chunked decodes equal transformers'. The served stream (the runtime's chunker
+    under LeftContext, and the default short first chunk and ramp) has every sample of the whole
+    decode: each chunk starts where the one before it stopped, where ``chunked_decode`` (as
+    transformers') drops each chunk's last samples; with the reference's 25 frames of context its
+    samples equal the whole decode's."""
     from mstar.models.graph import LeftContext
     from mstar.models.qwen3_omni.direct import stream_decode
+    from mstar.models.qwen3_omni.knobs import OmniServeConfig
+    from mstar.models.qwen3_omni.model import codec_policy
 
     codes = torch.randint(0, 64, (1, 4, 47), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
-        close(parts.code2wav(codes), reference.code2wav(codes))
+        whole = reference.code2wav(codes)
+        close(parts.code2wav(codes), whole)
         ref = reference.code2wav.chunked_decode(codes, chunk_size=chunk, left_context_size=left)
         close(parts.code2wav.chunked_decode(codes, chunk, left), ref)
-        close(stream_decode(parts.code2wav, codes[0].T, LeftContext(chunk, left)), ref[0, 0])
+        for policy in (LeftContext(chunk, left), codec_policy(OmniServeConfig(code2wav_chunk_frames=chunk,
+                                                                              code2wav_left_context_frames=left))):
+            stream = stream_decode(parts.code2wav, codes[0].T, policy)
+            assert stream.shape == whole[0, 0].shape, policy
+            if left == 25:
+                close(stream, whole[0, 0])
 
 
 def test_code2wav_chunks_padded_to_a_graph_length_keep_their_samples(parts):
@@ -162,8 +173,9 @@ def test_code2wav_warms_the_chunk_shapes_its_policy_cuts():
     from mstar.models.qwen3_omni.model import codec_policy
     from mstar.models.qwen3_omni.nodes import chunk_shapes
 
-    assert chunk_shapes(codec_policy(OmniServeConfig()), 65) == [(0, 10), (10, 10), (20, 10), (25, 10), (25, 10), (25, 10)]
-    ramp = codec_policy(OmniServeConfig(code2wav_first_chunk_frames=4))
+    flat = codec_policy(OmniServeConfig(code2wav_first_chunk_frames=None))
+    assert chunk_shapes(flat, 65) == [(0, 10), (10, 10), (20, 10), (25, 10), (25, 10), (25, 10)]
+    ramp = codec_policy(OmniServeConfig())  # the default: a 4-frame first chunk, then the ramp
     assert chunk_shapes(ramp, 46) == [(0, 4), (4, 4), (8, 8), (16, 10), (25, 10), (25, 10)]
 
 
