@@ -19,7 +19,8 @@ Measured, per the issue's benchmark section:
     python bench/qwen3_omni/bench_omni.py --device cuda --layout one --model-kwargs '{"code2wav_first_chunk_frames": 2}' ...
     python bench/qwen3_omni/bench_omni.py --device cuda --parts mstar --layout tp2 ...   # two GPUs: the Thinker at TP=2
     python bench/qwen3_omni/bench_omni.py --device cuda --parts mstar --concurrency 1,16 --torch-profile /tmp/tp ...
-        # then one more answer at one stream under every node group's and the conductor's torch.profiler (bench/trace_gaps.py reads it)
+        # then one more answer a stream (--profile-streams, default 1) under every node group's and the conductor's
+        # torch.profiler (bench/trace_gaps.py reads it)
     python bench/qwen3_omni/bench_omni.py --device cpu --tiny --out /tmp/omni-smoke.json   # checks the script
 """
 
@@ -307,8 +308,9 @@ def main() -> None:
     ap.add_argument("--audio-frames", type=int, default=125, help="codec frames per answer (12.5 a second)")
     ap.add_argument("--model-kwargs", default="{}", help="JSON merged into the YAML's model_kwargs")
     ap.add_argument("--torch-profile", metavar="DIR", help="every node group's and the conductor's torch.profiler trace into DIR (mstar "
-                    "serve --torch-profile) over one more speech answer at one stream after the timed levels; "
-                    "summarise each with bench/trace_gaps.py")
+                    "serve --torch-profile) over one more speech answer per stream (--profile-streams) after the "
+                    "timed levels; summarise each with bench/trace_gaps.py")
+    ap.add_argument("--profile-streams", type=int, default=1, help="streams at once in the --torch-profile answer")
     ap.add_argument("--parts", nargs="+", choices=["mstar", "baseline"], default=["mstar", "baseline"],
                     help="one side only (e.g. each in its own process on its own GPUs, to fit one call)")
     args = ap.parse_args()
@@ -366,7 +368,7 @@ def measure_mstar(args, root: Path, ckpt: Path, knobs: dict, result: dict, save)
         if args.torch_profile:
             from mstar.torch_profile import record_around
 
-            r, files = record_around(list(mesh.profiled_pids().values()), Path(args.torch_profile), lambda: asyncio.run(level(mesh.conductor_address, 1, knobs)))
+            r, files = record_around(list(mesh.profiled_pids().values()), Path(args.torch_profile), lambda: asyncio.run(level(mesh.conductor_address, args.profile_streams, knobs)))
             result["profiled"] = r | {"files": files}
             save()
     finally:
