@@ -206,6 +206,11 @@ class EngineNode(NodeSubmodule):
     """
 
     blocking = True  # step on the driver's engine thread (False: on the event loop; tests)
+    #: for an engine each of whose steps serves only the calls that came (a loop fed a row an
+    #: iteration: the Talker): before stepping, wait up to this long (seconds) for the next calls
+    #: of its other running sequences (their last outputs are being routed), so that their rows
+    #: join this step instead of making the next one; 0: step at once
+    gather_s = 0.0
     #: the sequence engine: ``LocalSeqEngine`` or ``EngineProcess`` (seq_engine.py), or one
     #: with the same surface (submit, release, step, has_work, close, kv_stats, exit_reason)
     engine: Any = None

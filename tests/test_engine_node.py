@@ -3,6 +3,7 @@ requests share engine steps, a failed step fails its requests alone, and release
 what the engine holds."""
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from mstar import wire
 from mstar.config import parse_config
-from mstar.models.base import EngineNode, InvalidArgument, Model, Output, RequestState, WalkSeed
+from mstar.models.base import EngineNode, InvalidArgument, Model, NodeCall, Output, RequestState, WalkSeed
 from mstar.models.graph import EMIT_TO_CLIENT, INPUT, EngineType, GraphEdge, GraphNode, Loop, Modality, Walk
 from mstar.models.registry import register
 from mstar.services.engines.kv_engine import StepFailed
@@ -168,3 +169,90 @@ def test_engine_node_batches_across_requests_and_releases(blocking, monkeypatch)
 def test_engine_node_rejects_forward():
     with pytest.raises(TypeError, match="prepare / outputs"):
         CountingNode().forward([])
+
+
+class FedEngine:
+    """A fake engine fed a row an iteration (as the Talker's): a step answers exactly the work
+    handed to it since the last one."""
+
+    def __init__(self):
+        self.pending: dict = {}
+        self.batches: list[list[str]] = []
+        self.times: list[float] = []
+
+    def submit(self, rid, work):
+        self.pending[rid] = work
+
+    def release(self, rid):
+        self.pending.pop(rid, None)
+
+    @property
+    def has_work(self):
+        return bool(self.pending)
+
+    def step(self):
+        batch, self.pending = self.pending, {}
+        self.batches.append(sorted(batch))
+        self.times.append(time.perf_counter())
+        return [SeqOutput(rid, 1, SeqStatus.RUNNING) for rid in batch]
+
+
+class FedNode(EngineNode):
+    blocking = False  # steps on the event loop: the test sees each launch
+
+    def __init__(self, gather_s):
+        self.engine, self.gather_s = FedEngine(), gather_s
+
+    def prepare(self, call):
+        return ("feed", call.iteration)
+
+    def outputs(self, call, out):
+        return {"x": torch.tensor([call.iteration])}
+
+
+@pytest.mark.parametrize("gather_s", [0.0, 0.05])
+def test_a_fed_engine_gathers_the_next_calls_of_its_running_sequences(gather_s):
+    """Two running sequences whose calls come a few ms apart (the second's output is still being
+    routed): with ``gather_s`` the step waits for the second call and serves both (one step of
+    two rows, not two of one); without, it steps at once. A sequence whose call never comes holds
+    a step at most ``gather_s``."""
+    from mstar.services.node_group.engine_driver import EngineDriver
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        node = FedNode(gather_s)
+        wakes = asyncio.Event()
+        driver = EngineDriver("n", node, None, wakes.set)
+
+        def call(rid, it):
+            return driver.submit(NodeCall(rid, "w", it, {}, {}, {}), rid)
+
+        async def settle(seconds):  # the runtime's loop: poll on every wake, for a while
+            end = loop.time() + seconds
+            done = []
+            while loop.time() < end:
+                done += driver.poll(loop) or []
+                wakes.clear()
+                try:
+                    await asyncio.wait_for(wakes.wait(), max(0.001, end - loop.time()))
+                except TimeoutError:
+                    pass
+            return done
+
+        call("a", 0), call("b", 0)
+        await settle(0.01)  # both start together
+        call("a", 1)
+        await settle(0.01)  # b's next call comes 10 ms later
+        call("b", 1)
+        await settle(0.1)
+        t0 = time.perf_counter()
+        call("a", 2)  # b's next call never comes: a steps once gather_s has passed
+        done = await settle(0.2)
+        return node.engine, done, t0
+    engine, done, t0 = run(go(), timeout=10)
+    if gather_s:
+        assert engine.batches == [["a", "b"], ["a", "b"], ["a"]]
+    else:
+        assert engine.batches == [["a", "b"], ["a"], ["b"], ["a"]]
+    assert gather_s <= engine.times[-1] - t0 < gather_s + 0.1
+    assert [c.request_id for c, _, _ in done][-1] == "a"

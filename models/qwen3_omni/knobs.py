@@ -36,6 +36,9 @@ class OmniServeConfig(Knobs):
     code2wav_ramp: bool = Field(True, description="after a shorter first chunk, each chunk brings at most as many "
                                 "new frames as all before it (4, 4, 8, then code2wav_chunk_frames): no silence "
                                 "between chunks while the speech is made faster than real time")
+    talker_gather_ms: float = Field(5.0, ge=0, le=100, description="a Talker step waits up to this long for the "
+                                    "next rows of its other running streams (their last frames are being routed), "
+                                    "so that they join it instead of making a step of their own; 0: step at once")
     talker_max_ahead: int = Field(16, ge=1, le=4096, description="Thinker tokens the Talker may lag behind "
                                   "before the Thinker waits (back-pressure)")
     max_audio_seconds: float = Field(300.0, gt=0, le=3600, description="longest audio input")

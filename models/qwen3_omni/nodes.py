@@ -116,6 +116,7 @@ class TalkerNode(EngineNode):
             warm_compiled(lambda e, pos: p.talker(e, pos, NoCache()), p.cfg.talker.hidden_size, dtype_of(ctx), ctx.device)
             warm_predictor(cp, dtype_of(ctx), ctx.device, kw.max_num_seqs)
         self.engine = TalkerEngine(p.talker, p.specials(), kw.max_num_seqs, max_seq_len, kw.cuda_graphs)
+        self.gather_s = kw.talker_gather_ms / 1e3
         self.no_frame = torch.zeros(0, p.cfg.num_code_groups, dtype=torch.int64)
         log.info("qwen3-omni talker loaded from %s on %s", checkpoint, ctx.device)
 

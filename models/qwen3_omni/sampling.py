@@ -52,13 +52,20 @@ def sample(logits: torch.Tensor, sampling: list[Sampling] | None,
         if not s.greedy:
             groups.setdefault(s, []).append(row)
     for s, rows in groups.items():
-        idx = h2d(torch.tensor(rows), logits.device)
-        probs = _warp(logits[idx].float(), s).softmax(-1)
+        whole = len(rows) == logits.shape[0]  # (the usual case: no index, no gather)
+        idx = None if whole else h2d(torch.tensor(rows), logits.device)
+        probs = _warp((logits if whole else logits[idx]).float(), s).softmax(-1)
         gens = [generators[r] if generators is not None else None for r in rows]
         shared = [i for i, g in enumerate(gens) if g is None]
-        if shared:
-            picked = torch.multinomial(probs[shared], 1)[:, 0]
-            out[idx[shared]] = picked
+        if len(shared) == len(rows):  # every row unseeded: one draw
+            picked = torch.multinomial(probs, 1)[:, 0]
+            if whole:
+                out = picked
+            else:
+                out[idx] = picked
+        elif shared:  # (device indices: a host list as an index would wait for the device)
+            at = h2d(torch.tensor(shared), logits.device)
+            out[h2d(torch.tensor([rows[i] for i in shared]), logits.device)] = torch.multinomial(probs[at], 1)[:, 0]
         for i, g in enumerate(gens):
             if g is not None:
                 out[rows[i]] = torch.multinomial(probs[i : i + 1], 1, generator=g)[0, 0]

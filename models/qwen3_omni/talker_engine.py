@@ -88,10 +88,10 @@ class TalkerEngine:
             elif work.positions.shape[1] + work.max_tokens > self.cache.max_len:
                 why = f"Talker prompt + max_tokens exceeds max_seq_len={self.cache.max_len}"
             else:
-                gen = None
-                if not work.sampling.greedy:
+                gen = None  # a seeded sampled request draws from its own generator; unseeded ones draw together
+                if not work.sampling.greedy and work.seed is not None:
                     gen = torch.Generator(device=self.device)
-                    gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+                    gen.manual_seed(work.seed)
                 self.seqs[rid] = _Seq(rid, work, generator=gen)
                 self.starts.append(rid)
         elif rid not in self.seqs or self.seqs[rid].next_codec is None:

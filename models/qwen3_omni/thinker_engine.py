@@ -108,10 +108,10 @@ class ThinkerEngine:
         if why is not None:
             self.refused.append(OmniOut(rid, None, SeqStatus.FINISHED_ABORTED, error=f"refused by the Thinker: {why}"))
             return
-        gen = None
-        if not work.sampling.greedy:
+        gen = None  # a seeded sampled request draws from its own generator; unseeded ones draw together
+        if not work.sampling.greedy and work.seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(work.seed if work.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+            gen.manual_seed(work.seed)
         self.waiting.append(_Seq(rid, work, generator=gen))
 
     def release(self, rid: str) -> None:

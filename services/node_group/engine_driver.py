@@ -65,6 +65,8 @@ class EngineDriver:
         self._held: set[str] = set()  # requests the engine may hold pages of (released with the request)
         self.steps = 0
         self.last_step_s = 0.0
+        self._gather_since: float | None = None  # when a step began to wait for more calls (``gather_s``)
+        self._gather_timer: asyncio.TimerHandle | None = None
 
     # -- calls in ----------------------------------------------------------------------------
     def submit(self, call: NodeCall, where: Any) -> Ready | Submitted:
@@ -134,12 +136,17 @@ class EngineDriver:
         self.steps += 1
         self.last_step_s = time.perf_counter() - t0
         # the next step runs while this one's outputs are routed: the calls they answer do not
-        # wait for it
-        self._launch(loop, {o.request_id for o in outs})
+        # wait for it (unless it gathers them: ``gather_s``)
+        going = {o.request_id for o in outs if not (o.finished or o.token_id is None)}
+        self._launch(loop, {o.request_id for o in outs}, going)
         return self._route(outs, made)
 
-    def _launch(self, loop: asyncio.AbstractEventLoop, answered) -> None:
+    def _launch(self, loop: asyncio.AbstractEventLoop, answered, going=frozenset()) -> None:
+        """``going``: sequences the step that just ended answered and that go on (their next
+        calls come once the outputs are routed)."""
         if not (self._work or self._releases or self.engine.has_work):
+            return
+        if self._gather(loop, going):
             return
         waiting = {rid: call for rid, (call, _) in self._waiting.items() if rid not in answered}
         args = (self.engine, self._work, self._releases, time.perf_counter(), self.sub.outputs, waiting, self.node)
@@ -154,6 +161,27 @@ class EngineDriver:
                 fut.set_exception(e)
         fut.add_done_callback(lambda _f: self._wake())
         self._step = fut
+
+    def _gather(self, loop: asyncio.AbstractEventLoop, going) -> bool:
+        """Whether the step waits (``EngineNode.gather_s``) for the next calls of running
+        sequences: those just answered, or whose call has not come since. It waits at most
+        ``gather_s`` from when it began to, then steps with what came (a sequence whose loop
+        waits on its own input, as the Talker's for the Thinker's next row, costs a step that long)."""
+        wait = self.sub.gather_s
+        coming = (self._live - self._waiting.keys()) | (going & self._live)
+        if not wait or not self._work or self._releases or not coming:
+            self._gather_since = None
+            return False
+        now = time.perf_counter()
+        if self._gather_since is None:
+            self._gather_since = now
+        left = self._gather_since + wait - now
+        if left <= 0:
+            self._gather_since = None
+            return False
+        if self._gather_timer is None or self._gather_timer.cancelled() or self._gather_timer.when() <= loop.time():
+            self._gather_timer = loop.call_later(left, self._wake)
+        return True
 
     def _route(self, outs: list[SeqOutput], made: dict[str, tuple[NodeCall, dict | Exception]]) -> list[Completion]:
         done: list[Completion] = []
