@@ -88,6 +88,9 @@ def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch
 
     monkeypatch.setattr(launcher.subprocess, "Popen", FakeProc)
     monkeypatch.setattr(Mesh, "_wait_healthy", lambda self, s: None)
+    # nothing binds (the processes are fakes), and these fixed ports lie in the ephemeral range, where a
+    # concurrent test's client socket may hold one (a CI run failed so); the check has tests of its own
+    monkeypatch.setattr(launcher, "taken_ports", lambda host, ports: [])
     monkeypatch.setenv("MSTAR_TEST_INHERITED", "yes")
     m = mesh(toy_config, nvtx=True, mooncake_port=41000, shm_prefix=f"mstar-envtest{os.getpid()}-")
     m.start()

@@ -12,6 +12,7 @@ Code2Wav on the second); the transformers baseline loads after M* has stopped, o
 Measured, per the issue's benchmark section:
 - speech answers to text prompts at each concurrency: audio seconds per second, RTF per stream,
   time to the first audio packet (p50 / max), whether every stream is real time;
+- first audio over ``--first-audio-answers`` answers one after another (a level at one stream is one answer);
 - text-only answers: tokens per second; one image + audio input request;
 - the baseline at the same concurrencies (batched ``generate``; its first audio is at its end).
 
@@ -219,6 +220,23 @@ async def level(address: str, streams: int, kw: dict) -> dict:
     return out
 
 
+async def sequential_first_audio(address: str, answers: int, kw: dict) -> dict:
+    """``answers`` speech answers one after another (one stream): first audio and first text over
+    all of them (a level at one stream measures one answer)."""
+    import grpc
+
+    from mstar.services.links import CHANNEL_OPTIONS
+    from mstar.v1 import conductor_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = conductor_pb2_grpc.ConductorStub(ch)
+        res = [await stream(stub, kw) for _ in range(answers)]
+    ttfa = sorted(r["ttfa_s"] for r in res)
+    return {"system": "mstar", "streams": 1, "answers": answers, "ttfa_p50_s": statistics.median(ttfa),
+            "ttfa_p90_s": ttfa[min(len(ttfa) - 1, int(0.9 * len(ttfa)))], "ttfa_min_s": ttfa[0], "ttfa_max_s": ttfa[-1],
+            "ttft_p50_s": statistics.median(r["ttft_s"] for r in res)}
+
+
 async def media_request(address: str, kw: dict, image: tuple[int, int] = (448, 336)) -> dict:
     """One request with 4 s of audio and an image (448x336: 147 tokens at patch 16)."""
     import grpc
@@ -310,6 +328,8 @@ def main() -> None:
     ap.add_argument("--torch-profile", metavar="DIR", help="every node group's and the conductor's torch.profiler trace into DIR (mstar "
                     "serve --torch-profile) over one more speech answer per stream (--profile-streams) after the "
                     "timed levels; summarise each with bench/trace_gaps.py")
+    ap.add_argument("--first-audio-answers", type=int, default=10, help="after the levels, this many speech answers "
+                    "one after another: first audio p50 / p90 over them (0: none)")
     ap.add_argument("--profile-streams", type=int, default=1, help="streams at once in the --torch-profile answer")
     ap.add_argument("--parts", nargs="+", choices=["mstar", "baseline"], default=["mstar", "baseline"],
                     help="one side only (e.g. each in its own process on its own GPUs, to fit one call)")
@@ -317,6 +337,7 @@ def main() -> None:
     if args.tiny:
         args.concurrency, args.baseline_concurrency = "1,2", "1"
         args.text_tokens, args.audio_frames = min(args.text_tokens, 12), min(args.audio_frames, 20)
+        args.first_audio_answers = min(args.first_audio_answers, 2)
     root = Path(args.root or tempfile.mkdtemp(prefix="omni-bench-"))
     ckpt = write_checkpoint(root, args.tiny)
     knobs = {"max_tokens": args.text_tokens, "max_audio_frames": args.audio_frames, "ignore_eos": True,
@@ -360,6 +381,10 @@ def measure_mstar(args, root: Path, ckpt: Path, knobs: dict, result: dict, save)
             r = asyncio.run(level(mesh.conductor_address, n, {**knobs, "modalities": ["text"]}))
             print(json.dumps(r), flush=True)
             result["mstar_text"].append(r)
+            save()
+        if args.first_audio_answers:
+            result["first_audio"] = asyncio.run(sequential_first_audio(mesh.conductor_address, args.first_audio_answers, knobs))
+            print(json.dumps(result["first_audio"]), flush=True)
             save()
         image = (64, 48) if args.tiny else (448, 336)  # the tiny model's patches are 4 pixels
         asyncio.run(media_request(mesh.conductor_address, {**knobs, "max_tokens": 4, "max_audio_frames": 4}, image))
