@@ -11,7 +11,7 @@ from mstar.models.qwen3_omni.cache import Decode, SlotCache
 from mstar.models.qwen3_omni.decode_graphs import batch_buckets, span_bucket
 from mstar.models.qwen3_omni.layers import SparseMoe
 from mstar.models.qwen3_omni.positions import mrope_positions
-from mstar.models.qwen3_omni.sampling import GREEDY
+from mstar.models.qwen3_omni.sampling import GREEDY, Sampling
 from mstar.models.qwen3_omni.talker_engine import TalkerEngine
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine, ThinkerStart
 from mstar.services.engines.loop_graph import CaptureFailed, LoopGraphs, pad_rows
@@ -286,11 +286,13 @@ def test_a_failed_predictor_capture_turns_its_graphs_off_and_reruns_eagerly(part
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (host syncs are a CUDA notion)")
-def test_a_decode_step_waits_for_the_device_once(checkpoint, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_decode_step_waits_for_the_device_once(checkpoint, monkeypatch, sampled):
     """On CUDA, after a warm-up answer: each Talker decode step blocks the host once (the codes'
     copy), each Thinker decode step twice (its tokens, then the text rows for the Talker, already
     computed by then). Every other upload is asynchronous: a blocking host-to-device copy waits for
-    all the queued work, and the GPU idles while the host prepares what comes next."""
+    all the queued work, and the GPU idles while the host prepares what comes next. ``sampled``:
+    unseeded sampling with the request knobs' defaults (served requests' usual case: one draw)."""
     import traceback
     import warnings
 
@@ -320,10 +322,11 @@ def test_a_decode_step_waits_for_the_device_once(checkpoint, monkeypatch):
             return out
         return run
 
-    generate(p, ids, max_tokens=6, talker_max_tokens=8)  # graphs captured, kernels compiled
+    kw = dict(thinker_sampling=Sampling(0.7, 20, 0.8), talker_sampling=Sampling(0.9, 50, 1.0)) if sampled else {}
+    generate(p, ids, max_tokens=6, talker_max_tokens=8, **kw)  # graphs captured, kernels compiled
     monkeypatch.setattr(ThinkerEngine, "step", counting("thinker", ThinkerEngine.step))
     monkeypatch.setattr(TalkerEngine, "step", counting("talker", TalkerEngine.step))
-    generate(p, ids, max_tokens=6, talker_max_tokens=8)
+    generate(p, ids, max_tokens=6, talker_max_tokens=8, **kw)
     for name, want in (("thinker", 2), ("talker", 1)):
         assert len(syncs[name]) >= 2, syncs  # the counting ran: a prefill, then decode steps
         for where in syncs[name][1:]:  # the first step: the prefill
