@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from mstar.models.qwen3_omni.cache import Decode, SlotCache
-from mstar.models.qwen3_omni.predictor_loop import BUCKETS
+from mstar.models.qwen3_omni.predictor_loop import batch_buckets
 from mstar.services.engines.loop_graph import CaptureFailed, LoopGraphs
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,6 @@ Forward = Callable[[dict[str, torch.Tensor], Decode], dict[str, torch.Tensor]]
 def span_bucket(longest: int, max_len: int, min_span: int = MIN_SPAN) -> int:
     """Keys a step attends when its longest sequence has ``longest`` tokens cached."""
     return min(max(min_span, 1 << longest.bit_length()), max_len)  # 1 << bit_length: the power of two >= longest + 1
-
-
-def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """The code predictor's batch buckets up to the first that holds ``max_num_seqs`` rows."""
-    top = next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])
-    return tuple(b for b in BUCKETS if b <= top)
 
 
 class DecodeGraphs:

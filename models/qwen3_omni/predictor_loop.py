@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mstar.models.qwen3_omni.layers import _attn_in, _rms, apply_rope, rope_1d
+from mstar.models.qwen3_omni.layers import _attn_in, _rms, rope_1d
 from mstar.models.qwen3_omni.sampling import Sampling, _warp
 from mstar.services.engines.compiled import compiled, owned
 from mstar.services.engines.loop_graph import CaptureFailed, LoopGraphs
@@ -66,48 +66,32 @@ class PredictorLoop:
         return out["codes"], out["total"]
 
     def _body(self, s: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
-        """Iteration ``i``; a layer under ``compile_layers`` (``layer.compiled``: on a GPU) runs the
-        work around its GEMMs and the attention as torch.compile'd pieces, else eagerly."""
+        """Iteration ``i``: each layer as two pieces around its attention (``_attn_in``, ``_dense_out``),
+        then the codebook's draw (``_draw``); under ``compile_layers`` (``layer.compiled``: on a GPU)
+        each piece torch.compile'd, else run as it is."""
         p = self.p
         out = dict(s)
         x = s["x"]
         cos, sin = self.cos[i : i + 1], self.sin[i : i + 1]  # broadcast over the rows
         for n, layer in enumerate(p.model.layers):
-            a, backend = layer.self_attn, layer.compiled
-            if backend is not None:
-                x = owned(x)
-                n1 = layer.input_layernorm
-                q, k, v = compiled(_attn_in, backend)(x, cos, sin, n1.weight, n1.eps, a.q_proj.weight, a.k_proj.weight,
-                                                      a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, a.heads,
-                                                      a.kv_heads, a.head_dim)
-            else:
-                h = layer.input_layernorm(x)
-                q = a.q_norm(a.q_proj(h).view(-1, a.heads, a.head_dim))
-                k = a.k_norm(a.k_proj(h).view(-1, a.kv_heads, a.head_dim))
-                v = a.v_proj(h).view(-1, a.kv_heads, a.head_dim)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            a, n1, n2, m, backend = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp, layer.compiled
+            x = owned(x)  # (a compiled piece's guards see a view's base: services/engines/compiled.py)
+            q, k, v = _piece(_attn_in, backend)(x, cos, sin, n1.weight, n1.eps, a.q_proj.weight, a.k_proj.weight,
+                                                a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, a.heads, a.kv_heads,
+                                                a.head_dim)
             kc, vc = s[f"k{n}"].clone(), s[f"v{n}"].clone()  # (no host tensors inside a capture)
             kc[:, :, i], vc[:, :, i] = k, v
             out[f"k{n}"], out[f"v{n}"] = kc, vc
             att = F.scaled_dot_product_attention(q[:, :, None], kc[:, :, : i + 1], vc[:, :, : i + 1], enable_gqa=True)
             o = a.o_proj(att[:, :, 0].reshape(x.shape[0], -1))
-            if backend is not None:
-                n2, m = layer.post_attention_layernorm, layer.mlp
-                x = compiled(_dense_out, backend)(x, o, n2.weight, n2.eps, m.gate_proj.weight, m.up_proj.weight,
-                                                  m.down_proj.weight)
-            else:
-                x = x + o
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = _piece(_dense_out, backend)(x, o, n2.weight, n2.eps, m.gate_proj.weight, m.up_proj.weight,
+                                            m.down_proj.weight)
         if i == 0:
             out["x"] = s["e0"]
             return out
         backend = p.model.layers[0].compiled
-        if backend is not None:
-            code = compiled(_draw, backend)(owned(x), p.model.norm.weight, p.model.norm.eps, p.lm_head[i - 1].weight,
-                                            s["noise"][:, i - 1], s["greedy"], self.sampling)
-        else:
-            code = _draw(x, p.model.norm.weight, p.model.norm.eps, p.lm_head[i - 1].weight, s["noise"][:, i - 1],
-                         s["greedy"], self.sampling)
+        code = _piece(_draw, backend)(owned(x), p.model.norm.weight, p.model.norm.eps, p.lm_head[i - 1].weight,
+                                      s["noise"][:, i - 1], s["greedy"], self.sampling)
         emb = p.model.codec_embedding[i - 1](code)
         codes = s["codes"].clone()
         codes[:, i - 1] = code
@@ -116,21 +100,31 @@ class PredictorLoop:
         return out
 
 
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The code predictor's batch buckets up to the first that holds ``max_num_seqs`` rows."""
+    top = next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])
+    return tuple(b for b in BUCKETS if b <= top)
+
+
 def warm_predictor(predictor, dtype: torch.dtype, device: torch.device | str, max_rows: int) -> None:
-    """Run the code predictor's frame loop once at every batch bucket up to ``max_rows``' (the
-    Talker's most sequences), as the Talker's engine runs
-    it (inference mode, greedy and sampled rows): its compiled pieces (``compile_layers``) are
-    compiled and, on CUDA, every bucket's graph captured before any engine steps (torch.compile is
-    not thread-safe: services/engines/compiled.py)."""
+    """Run the code predictor's frame loop once at every batch bucket that ``max_rows`` rows (the
+    Talker's most sequences) can reach, as the Talker's engine runs it (inference mode, greedy and
+    sampled rows): its pieces under ``compile_layers`` are compiled and, on CUDA, each bucket's graph
+    captured before any engine steps (torch.compile is not thread-safe: services/engines/compiled.py)."""
     h = predictor.cfg.hidden_size
     with torch.inference_mode():
-        for rows in BUCKETS[: next((i + 1 for i, b in enumerate(BUCKETS) if b >= max_rows), len(BUCKETS))]:
+        for rows in batch_buckets(max_rows):
             x = torch.zeros(rows, h, dtype=dtype, device=device)
             greedy = torch.arange(rows, device=device) % 2 == 0
             predictor.predict(x, x, greedy, [None] * rows)
 
 
 # -- the frame loop's pieces (torch.compile'd under ``compile_layers``; services/engines/compiled.py) --
+
+def _piece(fn, backend):
+    """``fn`` as a layer under ``compile_layers`` runs it (``backend``), or as it is (None)."""
+    return fn if backend is None else compiled(fn, backend)
+
 
 def _dense_out(x, o, norm_w, eps: float, gate_w, up_w, down_w):
     """A dense layer after its attention: the residual, the norm, the SwiGLU MLP, the residual."""
