@@ -5,7 +5,7 @@ import torch
 
 from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.prompt import talker_prompt
-from mstar.models.qwen3_omni.sampling import GREEDY
+from mstar.models.qwen3_omni.sampling import GREEDY, Sampling, sample
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine, ThinkerStart
 
 
@@ -70,3 +70,26 @@ def test_thinker_waits_for_slots_and_refuses_alone(parts):
     tokens, _ = run_engine(eng)
     assert len(tokens["a"]) == 7 and len(tokens["b"]) == 8  # a's first token came with the first step
     assert eng.cache.num_free == 1
+
+
+def test_sample_places_each_rows_draw():
+    """``sample``'s paths: every row unseeded (one draw for the batch), unseeded rows among greedy
+    ones, unseeded rows beside a seeded one. With top-k 1 a draw is its row's argmax, so a draw
+    written to the wrong row shows; a seeded row draws as it does alone."""
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(9))
+    best = logits.argmax(-1)
+    one = Sampling(temperature=0.9, top_k=1)
+    assert torch.equal(sample(logits, [one] * 5), best)  # all unseeded: one draw, no index
+    assert torch.equal(sample(logits, [GREEDY, one, GREEDY, one, one]), best)  # unseeded among greedy rows
+
+    wide = Sampling(temperature=0.9, top_k=10)
+
+    def seeded():
+        return torch.Generator().manual_seed(3)
+    out = sample(logits, [GREEDY, wide, wide, wide, wide], [None, None, seeded(), None, None])
+    assert out[0] == best[0]
+    assert out[2] == sample(logits[2:3], [wide], [seeded()])[0]
+    top = logits.topk(10).indices
+    assert all(out[r] in top[r] for r in (1, 3, 4))
+    mixed = sample(logits, [GREEDY, one, one, one, one], [None, None, seeded(), None, None])
+    assert torch.equal(mixed, best)  # the unseeded rows' draw written to rows 1, 3, 4
