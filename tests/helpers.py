@@ -27,6 +27,24 @@ def run(coro, timeout: float = 60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+def started_mesh(make_mesh, tries: int | None = None):
+    """``make_mesh()`` (a launcher ``Mesh``), started. A port chosen free can be taken by a test
+    running beside this one before its service binds it (PortTaken): the start is then made again on
+    a new Mesh, with ports chosen again, as ``mstar serve`` does (``launcher.run_forever``)."""
+    from mstar.launcher import START_TRIES, PortTaken
+
+    for _ in range((tries or START_TRIES) - 1):
+        mesh = make_mesh()
+        try:
+            mesh.start()  # a failed start stops what it started
+            return mesh
+        except PortTaken:
+            pass
+    mesh = make_mesh()
+    mesh.start()  # the last try: its PortTaken is the test's
+    return mesh
+
+
 def request(text: str, request_id: str = "", timeout_s: float = 0, **kwargs) -> cpb.GenerateRequest:
     return cpb.GenerateRequest(model="toy", text=text, model_kwargs_json=json.dumps(kwargs),
                                request_id=request_id, timeout_s=timeout_s)

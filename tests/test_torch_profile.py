@@ -17,6 +17,8 @@ import torch
 from mstar import nvtx
 from mstar.torch_profile import TorchProfile
 
+from helpers import started_mesh
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import trace_gaps  # noqa: E402
 
@@ -221,8 +223,8 @@ def test_a_served_mesh_records_its_node_groups_and_conductor(tmp_path, toy_confi
 
     monkeypatch.setenv("MSTAR_TORCH_PROFILE_S", "600")  # the signals end the recording, not a window
     config = Path(__file__).resolve().parent.parent / "models" / "toy" / "configs" / "default.yaml"
-    mesh = Mesh(toy_config(), LaunchOptions(config, port=0, grpc_port=0, log_level="WARNING", torch_profile=str(tmp_path)))
-    mesh.start()
+    mesh = started_mesh(lambda: Mesh(toy_config(), LaunchOptions(config, port=0, grpc_port=0, log_level="WARNING",
+                                                                  torch_profile=str(tmp_path))))
     try:
         def requests() -> int:
             async def go():

@@ -14,7 +14,7 @@ from mstar.services.links import CHANNEL_OPTIONS
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
-from helpers import collect, run
+from helpers import collect, run, started_mesh
 from inprocess import inprocess_mesh
 
 CONFIGS = "models/qwen3_omni/configs"
@@ -40,9 +40,8 @@ def test_tp2_thinker_serves_the_one_group_answers(cache_dir):
 
     want = run(one_group(), timeout=180)
     path = f"{CONFIGS}/tp2.yaml"
-    mesh = Mesh(load_config(path), LaunchOptions(path, port=0, grpc_port=0, cache_dir=cache_dir, log_level="WARNING",
-                                                  startup_timeout_s=180))
-    mesh.start()
+    mesh = started_mesh(lambda: Mesh(load_config(path), LaunchOptions(path, port=0, grpc_port=0, cache_dir=cache_dir,
+                                                                       log_level="WARNING", startup_timeout_s=180)))
     try:
         async def tp2():
             async with grpc.aio.insecure_channel(mesh.conductor_address, options=CHANNEL_OPTIONS) as ch:
