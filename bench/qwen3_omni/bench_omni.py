@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import math
@@ -196,14 +197,20 @@ async def stream(stub, kw: dict, files=()) -> dict:
             "rtf": total / audio_s if audio_s else None, "stall_s": stall}
 
 
-async def level(address: str, streams: int, kw: dict) -> dict:
+@contextlib.asynccontextmanager
+async def conductor(address: str):
+    """A Conductor stub over a channel of its own (closed on exit)."""
     import grpc
 
     from mstar.services.links import CHANNEL_OPTIONS
     from mstar.v1 import conductor_pb2_grpc
 
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-        stub = conductor_pb2_grpc.ConductorStub(ch)
+        yield conductor_pb2_grpc.ConductorStub(ch)
+
+
+async def level(address: str, streams: int, kw: dict) -> dict:
+    async with conductor(address) as stub:
         t0 = time.perf_counter()
         res = await asyncio.gather(*(stream(stub, kw) for _ in range(streams)))  # unseeded: rows sample together
         wall = time.perf_counter() - t0
@@ -223,13 +230,7 @@ async def level(address: str, streams: int, kw: dict) -> dict:
 async def sequential_first_audio(address: str, answers: int, kw: dict) -> dict:
     """``answers`` speech answers one after another (one stream): first audio and first text over
     all of them (a level at one stream measures one answer)."""
-    import grpc
-
-    from mstar.services.links import CHANNEL_OPTIONS
-    from mstar.v1 import conductor_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-        stub = conductor_pb2_grpc.ConductorStub(ch)
+    async with conductor(address) as stub:
         res = [await stream(stub, kw) for _ in range(answers)]
     ttfa = sorted(r["ttfa_s"] for r in res)
     return {"system": "mstar", "streams": 1, "answers": answers, "ttfa_p50_s": statistics.median(ttfa),
@@ -239,14 +240,9 @@ async def sequential_first_audio(address: str, answers: int, kw: dict) -> dict:
 
 async def media_request(address: str, kw: dict, image: tuple[int, int] = (448, 336)) -> dict:
     """One request with 4 s of audio and an image (448x336: 147 tokens at patch 16)."""
-    import grpc
-
-    from mstar.services.links import CHANNEL_OPTIONS
-    from mstar.v1 import conductor_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-        files = [("q.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes(*image))]
-        return await stream(conductor_pb2_grpc.ConductorStub(ch), kw, files)
+    files = [("q.wav", "audio/wav", wav_bytes()), ("pic.png", "image/png", png_bytes(*image))]
+    async with conductor(address) as stub:
+        return await stream(stub, kw, files)
 
 
 # -- transformers --------------------------------------------------------------------------------
