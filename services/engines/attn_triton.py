@@ -194,6 +194,74 @@ def _check_rows(t: torch.Tensor, heads: int, d: int, what: str) -> None:
                          f"strides {t.stride()}")
 
 
+
+def _attend(cfg, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool, row_rms, table, work) -> torch.Tensor:
+    """One launch of ``_decode_kernel``: ``cfg`` gives heads, page_size, splits, block_n, num_warps,
+    num_stages and pdl; ``table`` the int32 (indptr, indices, last) buffers; ``work`` the split-KV
+    (count, part, ml) buffers."""
+    h = cfg.heads
+    d = h.head_dim
+    _check_rows(q, h.num_qo_heads, d, "q")
+    n = q.shape[0]
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    out = torch.empty((n, h.num_qo_heads, d), dtype=k_cache.dtype, device=q.device)
+    sp = cfg.splits
+    count, part, ml = work
+    part, ml = (part, ml) if sp > 1 else (out, out)
+    res, eps = row_rms if row_rms is not None else (q, 0.0)
+    if row_rms is not None and (res.dim() != 2 or res.shape[0] != n or res.stride(1) != 1):
+        raise ValueError(f"row_rms: need [{n}, hidden] with dense rows, got shape {tuple(res.shape)}")
+    indptr, indices, last = table
+    _decode_kernel[(n, h.num_kv_heads, sp)](
+        q, k, v, q.stride(0), k.stride(0), positions, slots, cos_sin, k_cache, v_cache,
+        indptr, indices, last, out, 1.0 / math.sqrt(d) * math.log2(math.e), part, ml, count,
+        res, res.stride(0), res.shape[-1], eps,
+        HKV=h.num_kv_heads, G=h.group, GP=_padded_group(h), D=d, PS=cfg.page_size, BLOCK=cfg.block_n,
+        FUSED=fused, SPLITS=sp, ROWSCALE=row_rms is not None,
+        HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1, PDL=cfg.pdl,
+        num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
+        **launch_options(cfg.pdl),
+    )
+    return out
+
+
+class DeviceTableDecode:
+    """Attention alone (every row's new K/V already in the cache) over a page table built on the
+    device by the caller, for one forward pass: a cache whose table is not a host page list, such
+    as Qwen3-Omni's slot cache (one page of ``max_len`` rows per slot, ``models/qwen3_omni/cache.py``),
+    inside a CUDA graph's body. ``pages`` [n] (int) and ``lengths`` [n] (tokens of each row, its new
+    one included) are device tensors; ``longest`` bounds every length (a host int): the pass uses
+    as many KV splits of the batch's count as give that length ``MIN_SPLIT_TOKENS`` a split. Its
+    buffers are made here, once a pass, and every layer's launch shares them."""
+
+    pdl = False
+
+    def __init__(self, heads: HeadShape, page_size: int, pages: torch.Tensor, lengths: torch.Tensor, longest: int):
+        if heads.head_dim < 16 or heads.head_dim & (heads.head_dim - 1):
+            raise ValueError(f"head_dim={heads.head_dim} must be a power of two >= 16 for the Triton decode kernel")
+        n, dev = pages.shape[0], pages.device
+        self.heads, self.page_size, self.rows = heads, page_size, n
+        self.block_n = BLOCK_N_FEW if n < MANY_SEQS else BLOCK_N
+        self.num_warps, self.num_stages = NUM_WARPS, NUM_STAGES
+        self.splits = splits_for(n, heads.num_kv_heads)
+        active = max(1, min(self.splits, 1 << max(0, (longest // MIN_SPLIT_TOKENS).bit_length() - 1)))
+        indptr = torch.arange(n + 2, dtype=torch.int32, device=dev)
+        indptr[-1:].fill_(active)  # a kernel, not a host copy: this may run inside a graph capture
+        self.table = (indptr, pages.to(torch.int32), lengths.to(torch.int32))
+        gp, kv = _padded_group(heads), heads.num_kv_heads
+        rows = n * kv * self.splits
+        self.work = (torch.zeros(n * kv, dtype=torch.int32, device=dev),
+                     torch.empty(rows * gp * heads.head_dim, dtype=torch.float32, device=dev),
+                     torch.empty(rows * 2 * gp, dtype=torch.float32, device=dev))
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [n, Hq, D] (dense heads) over k / v caches [pages * page_size, Hkv, D] -> [n, Hq, D]."""
+        if q.shape[0] != self.rows:
+            raise ValueError(f"{q.shape[0]} query rows, the table has {self.rows}")
+        unused = self.table[2]
+        return _attend(self, q, q, q, unused, unused, (k_cache, v_cache), unused, False, None, self.table, self.work)
+
+
 class TritonGraphDecode:
     """Decode attention for one CUDA-graph batch size, RoPE and the K/V store fused in
     (``run_rope_store``); ``run`` is attention alone over a cache already holding the new K/V.
@@ -213,7 +281,6 @@ class TritonGraphDecode:
         self._indices = torch.zeros(max_pages, **i32)
         self._last = torch.ones(batch_size, **i32)
         self._indptr[: batch_size + 1] = torch.arange(batch_size + 1, **i32)  # valid before the first plan: page 0, 1 token
-        self._scale = 1.0 / math.sqrt(heads.head_dim) * math.log2(math.e)
         self.block_n = BLOCK_N_FEW if batch_size < MANY_SEQS else BLOCK_N
         self.num_warps, self.num_stages = NUM_WARPS, NUM_STAGES
         self.batch_size = batch_size
@@ -261,30 +328,10 @@ class TritonGraphDecode:
         return max(1, min(self.splits, 1 << max(0, want.bit_length() - 1)))
 
     def _launch(self, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool, row_rms=None) -> torch.Tensor:
-        h = self.heads
-        d = h.head_dim
-        _check_rows(q, h.num_qo_heads, d, "q")
-        n = q.shape[0]
-        if n != self._last.shape[0]:
-            raise ValueError(f"{n} query rows, graph batch is {self._last.shape[0]}")
-        k_cache, v_cache = kv_layer[0], kv_layer[1]
-        out = torch.empty((n, h.num_qo_heads, d), dtype=k_cache.dtype, device=q.device)
-        sp = self.splits
-        part, ml = (self._part, self._ml) if sp > 1 else (out, out)
-        res, eps = row_rms if row_rms is not None else (q, 0.0)
-        if row_rms is not None and (res.dim() != 2 or res.shape[0] != n or res.stride(1) != 1):
-            raise ValueError(f"row_rms: need [{n}, hidden] with dense rows, got shape {tuple(res.shape)}")
-        _decode_kernel[(n, h.num_kv_heads, sp)](
-            q, k, v, q.stride(0), k.stride(0), positions, slots, cos_sin, k_cache, v_cache,
-            self._indptr, self._indices, self._last, out, self._scale, part, ml, self._count,
-            res, res.stride(0), res.shape[-1], eps,
-            HKV=h.num_kv_heads, G=h.group, GP=_padded_group(h), D=d, PS=self.page_size, BLOCK=self.block_n,
-            FUSED=fused, SPLITS=sp, ROWSCALE=row_rms is not None,
-            HIDDEN_P2=triton.next_power_of_2(res.shape[-1]) if row_rms is not None else 1, PDL=self.pdl,
-            num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
-            **launch_options(self.pdl),
-        )
-        return out
+        if q.shape[0] != self._last.shape[0]:
+            raise ValueError(f"{q.shape[0]} query rows, graph batch is {self._last.shape[0]}")
+        return _attend(self, q, k, v, positions, slots, kv_layer, cos_sin, fused, row_rms,
+                       (self._indptr, self._indices, self._last), (self._count, self._part, self._ml))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         unused = self._last  # the fused path's k / v / positions / slots / table arguments

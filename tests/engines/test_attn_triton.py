@@ -146,3 +146,62 @@ def test_fused_decode_on_gpu_matches_the_reference_in_bf16(splits, min_tokens):
     assert (got_kv.float() - want_kv.float()).abs().max() <= 2e-2  # one bf16 rounding of the rotated K
     err = (got.float() - want).norm() / want.norm()
     assert err <= 1e-2, err
+
+
+def _slot_decode(attention: str, device, dtype, lengths, span, heads: HeadShape, seed=0):
+    """Qwen3-Omni's slot cache (one page of max_len rows a slot) with random K/V in every slot, a
+    decode of one new token for ``lengths`` rows (slots in shuffled order, the last two rows
+    padded onto the scratch slot as a CUDA graph pads them): the output and the cache after."""
+    from mstar.models.qwen3_omni.cache import Decode, SlotCache
+    g = torch.Generator().manual_seed(seed)
+    cache = SlotCache(2, 6, 64, heads.num_kv_heads, heads.head_dim, device, dtype, attention=attention)
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    n = len(lengths)
+    slots = torch.tensor([4, 0, 5, 2, 1, 3][:n - 2] + [cache.scratch] * 2)
+    dec = Decode(cache, slots.to(device), torch.tensor(lengths).to(device), span)
+    outs = []
+    for layer in range(2):
+        q = torch.randn(n, heads.num_qo_heads, heads.head_dim, generator=g).to(device, dtype)
+        k, v = (torch.randn(n, heads.num_kv_heads, heads.head_dim, generator=g).to(device, dtype) for _ in "kv")
+        outs.append(dec.attend(layer, q, k, v))
+    return torch.stack(outs), [t[: cache.scratch] for t in cache.k + cache.v]
+
+
+@pytest.mark.parametrize("heads", [HeadShape(8, 2, 16), HeadShape(4, 4, 32)])
+def test_the_slot_cache_decode_in_place_equals_the_gathering_one(heads):
+    """Decode over Qwen3-Omni's slot cache through the Triton kernel (each slot one page, its table
+    built on the device) against the torch path that gathers each row's keys: fp32 on the CPU,
+    atol 1e-5; the real slots' K/V identical; rows of lengths 0 (the first token), inside a KV
+    block and past it, the span longer than the longest."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test; the GPU test below covers CUDA")
+    lengths = [0, 7, 40, 63, 5, 5]
+    want, want_kv = _slot_decode("torch", "cpu", torch.float32, lengths, 64, heads)
+    got, got_kv = _slot_decode("triton", "cpu", torch.float32, lengths, 64, heads)
+    torch.testing.assert_close(got[:, :-2], want[:, :-2], atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_slot_cache_attention_choice():
+    from mstar.models.qwen3_omni.cache import SlotCache
+    assert SlotCache(1, 2, 8, 1, 16, "cpu", torch.float32).attention == "torch"  # auto on a CPU
+    assert SlotCache(1, 2, 8, 1, 16, "cpu", torch.float32, attention="triton").attention == "triton"
+    with pytest.raises(ValueError, match="attention='flash'"):
+        SlotCache(1, 2, 8, 1, 16, "cpu", torch.float32, attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_slot_cache_decode_in_place_on_gpu_in_bf16():
+    """The Thinker's head shape (32 / 4 heads of 128) in bf16: the in-place kernel against the
+    gathering torch path, relative error 1e-2; "auto" picks the kernel on CUDA."""
+    from mstar.models.qwen3_omni.cache import SlotCache
+    assert SlotCache(1, 2, 8, 4, 128, "cuda", torch.bfloat16).attention == "triton"
+    heads = HeadShape(32, 4, 128)
+    lengths = [0, 7, 40, 63, 17, 17]
+    want, _ = _slot_decode("torch", "cuda", torch.bfloat16, lengths, 64, heads)
+    got, _ = _slot_decode("triton", "cuda", torch.bfloat16, lengths, 64, heads)
+    err = (got[:, :-2].float() - want[:, :-2].float()).abs().max() / want.float().abs().max()
+    assert err < 1e-2, err

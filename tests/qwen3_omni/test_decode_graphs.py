@@ -253,7 +253,9 @@ def test_code2wav_chunk_graphs_equal_the_eager_decode(checkpoint, dtype):
     dec = load_parts(checkpoint, "cuda", dtype, ("code2wav",)).code2wav
     graphs = ChunkGraphs(dec, "cuda", chunk=10)
     codes = torch.randint(0, 64, (3, dec.cfg.num_quantizers, 35), generator=torch.Generator().manual_seed(13)).cuda()
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    # fp32: cuDNN picks its convolution algorithm per shape (a graph's batch is padded to its
+    # bucket), and they differ by up to ~1e-4 of the largest sample (8e-5 seen on an H200)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     for rows in (1, 3):
         for context, new in ((0, 4), (25, 10), (25, 3)):
             chunk = codes[:rows, :, : context + new]

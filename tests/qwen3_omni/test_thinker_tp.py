@@ -113,7 +113,7 @@ def test_each_rank_holds_its_shard(tp2, parts):
     assert tp2["heads"] == (c.num_heads // 2, c.num_kv_heads // 2)
     assert tp2["experts"] == (c.num_experts // 2, 2 * c.moe_intermediate_size, c.hidden_size)
     assert tp2["vocab_rows"] == (c.vocab_size // 2, c.hidden_size)
-    assert tp2["cache"][1] == c.num_kv_heads // 2  # each rank caches its KV heads only
+    assert tp2["cache"][2] == c.num_kv_heads // 2  # each rank caches its KV heads only ([slots, len, kv, d])
 
 
 def test_tp2_logits_as_close_to_the_reference_as_tp1(tp2, parts, reference):
