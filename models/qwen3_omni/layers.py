@@ -22,8 +22,16 @@ from mstar.services.engines.compiled import compiled, owned
 #: pair's expert weights (one batched matmul); larger ones loop over the experts hit
 GATHER_MAX_PAIRS = 64
 #: MoE paths: "grouped_mm" (tokens sorted by expert, one grouped GEMM for gate/up and one for down:
-#: no Python loop, no host sync, CUDA-graph friendly), "gather", "loop" (the naive per-expert path)
+#: no Python loop, no host sync, CUDA-graph friendly; on CUDA a decode-sized batch runs the two as
+#: the Triton kernels of services/engines/moe_triton.py), "gather", "loop" (the naive per-expert path)
 MOE_PATHS = ("auto", "grouped_mm", "gather", "loop")
+
+#: the decode-sized experts' Triton kernels, where CUDA is (imported here so that a torch.compile'd
+#: caller sees a module global; not on a CPU, where the tests import them under Triton's interpreter)
+if torch.cuda.is_available():
+    from mstar.services.engines import moe_triton as MOE_KERNELS
+else:
+    MOE_KERNELS = None
 
 
 def grouped_mm_ok(*dims: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
@@ -183,9 +191,14 @@ class Experts(nn.Module):
 
 
 def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
-    """``Experts`` by two grouped GEMMs: (token, expert) pairs sorted by expert, one group each."""
+                    down: torch.Tensor, kernels: Any = "auto") -> torch.Tensor:
+    """``Experts`` by two grouped GEMMs: (token, expert) pairs sorted by expert, one group each.
+    ``kernels``: the module of the Triton decode kernels (``moe_triton``) to run both with, None
+    for torch._grouped_mm, or "auto": the kernels on CUDA for a batch they take (``fits``)."""
     t, k = index.shape
+    if isinstance(kernels, str):
+        fit = x.is_cuda and MOE_KERNELS is not None and MOE_KERNELS.fits(x, t * k, gate_up)
+        kernels = MOE_KERNELS if fit else None
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     n = gate_up.shape[0]
@@ -193,8 +206,11 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts[:n], 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
     token = order // k
-    gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
+    if kernels is not None:
+        y = kernels.moe_down(kernels.moe_gate_up(x, token, offs, gate_up), offs, down)
+    else:
+        gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
     mine = (flat[order] < n)[:, None]  # rows past the last offset are not computed: never read them
     scaled = torch.where(mine, y * weight.reshape(-1)[order, None].to(y.dtype), 0)
     return torch.zeros_like(x).index_add_(0, token, scaled)
