@@ -1,4 +1,4 @@
-# issue 32: the routed experts of a decode pass as Triton kernels (new) against torch._grouped_mm (HEAD, .ab/old), one H200, one call
+# issue 32: the routed experts of a decode pass as Triton kernels (new) against torch._grouped_mm (1bf0115, .ab/old), one H200, one call
 set -u
 mkdir -p /tmp/wh && for w in .gpuwheels/*.whl; do python3 -m zipfile -e "$w" /tmp/wh >/dev/null; done
 export PYTHONPATH=$PWD:/tmp/wh PYTHONUNBUFFERED=1
