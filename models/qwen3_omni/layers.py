@@ -8,6 +8,7 @@ Parameter names follow the checkpoint (``q_proj``, ``mlp.gate``...), experts sta
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -26,12 +27,15 @@ GATHER_MAX_PAIRS = 64
 #: the Triton kernels of services/engines/moe_triton.py), "gather", "loop" (the naive per-expert path)
 MOE_PATHS = ("auto", "grouped_mm", "gather", "loop")
 
-#: the decode-sized experts' Triton kernels, where CUDA is (imported here so that a torch.compile'd
-#: caller sees a module global; not on a CPU, where the tests import them under Triton's interpreter)
+#: the decode-sized experts' Triton kernels, where CUDA and Triton are (imported here so that a
+#: torch.compile'd caller sees a module global; not on a CPU, where the tests import them under
+#: Triton's interpreter); without them the grouped GEMMs run every batch
+MOE_KERNELS: Any = None
 if torch.cuda.is_available():
-    from mstar.services.engines import moe_triton as MOE_KERNELS
-else:
-    MOE_KERNELS = None
+    try:
+        from mstar.services.engines import moe_triton as MOE_KERNELS
+    except ImportError as e:
+        logging.getLogger(__name__).warning("MoE decode kernels unavailable (%s): grouped GEMMs for every batch", e)
 
 
 def grouped_mm_ok(*dims: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
