@@ -194,7 +194,6 @@ def _check_rows(t: torch.Tensor, heads: int, d: int, what: str) -> None:
                          f"strides {t.stride()}")
 
 
-
 def _attend(cfg, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool, row_rms, table, work) -> torch.Tensor:
     """One launch of ``_decode_kernel``: ``cfg`` gives heads, page_size, splits, block_n, num_warps,
     num_stages and pdl; ``table`` the int32 (indptr, indices, last) buffers; ``work`` the split-KV
