@@ -201,8 +201,7 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     for torch._grouped_mm, or "auto": the kernels on CUDA for a batch they take (``fits``)."""
     t, k = index.shape
     if isinstance(kernels, str):
-        fit = x.is_cuda and MOE_KERNELS is not None and MOE_KERNELS.fits(x, t * k, gate_up)
-        kernels = MOE_KERNELS if fit else None
+        kernels = MOE_KERNELS if MOE_KERNELS is not None and MOE_KERNELS.fits(x, t * k, gate_up) else None
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     n = gate_up.shape[0]
@@ -384,8 +383,11 @@ def warm_compiled(forward: Callable[[torch.Tensor, torch.Tensor], Any], hidden: 
     (``compile_layers`` says why): ``forward(embeds [N, hidden], positions [3, N])`` is a pass of
     the decoder over ``NoCache``, at one row and more (dynamo may specialise a size of 1), under
     inference mode and under no_grad (the engines run both: two entries of each piece). On
-    tensor-parallel ranks every rank warms at once (the pieces' all-reduces pair up)."""
+    tensor-parallel ranks every rank warms at once (the pieces' all-reduces pair up). Where the
+    MoE decode kernels are, a pass of more rows than they take as well: the compiled MoE piece
+    holds a branch on the batch's size (``MOE_KERNELS.fits``), and each side compiles once."""
+    sizes = (1, 2, 3) + ((MOE_KERNELS.MAX_PAIRS + 1,) if MOE_KERNELS is not None else ())
     for mode in (torch.inference_mode, torch.no_grad):
         with mode():
-            for n in (1, 2, 3):
+            for n in sizes:
                 forward(torch.zeros(n, hidden, dtype=dtype, device=device), torch.zeros(3, n, device=device))

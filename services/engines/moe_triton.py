@@ -22,6 +22,8 @@ a torch.compile'd caller treats them as opaque calls; on a CPU they run under ``
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -94,10 +96,11 @@ def _blocks(n: int, k: int) -> tuple[int, int]:
 
 
 def fits(x: torch.Tensor, pairs: int, gate_up: torch.Tensor) -> bool:
-    """These kernels take this call: CUDA (or the interpreter's CPU), a decode-sized batch, and
-    sizes whose tiles hold at least 16 columns (the tensor cores' least)."""
+    """These kernels take this call: CUDA (or a CPU under Triton's interpreter), a decode-sized
+    batch, and sizes whose tiles hold at least 16 columns (the tensor cores' least)."""
     inner, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
-    return (pairs <= MAX_PAIRS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    device_ok = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (device_ok and pairs <= MAX_PAIRS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and min(_blocks(inner, hidden)) >= 16 and min(_blocks(hidden, inner)) >= 16)
 
 

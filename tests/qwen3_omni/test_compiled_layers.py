@@ -14,6 +14,7 @@ import torch
 from test_thinker_tp import run_engine, text_logits
 from torch._dynamo.testing import CompileCounter
 
+from mstar.models.qwen3_omni import layers
 from mstar.models.qwen3_omni.cache import NoCache
 from mstar.models.qwen3_omni.layers import compile_layers, grouped_mm_ok, warm_compiled
 from mstar.models.qwen3_omni.predictor_loop import warm_predictor
@@ -57,10 +58,34 @@ def test_thinker_engine_and_logits_as_eager(parts, bf16):
     assert 3 <= counter.frame_count <= 6
 
 
-def test_warmed_layers_compile_nothing_while_the_engine_runs(parts, bf16):
+class KernelsStandIn:
+    """What the compiled MoE piece meets on a GPU as ``layers.MOE_KERNELS``: the Triton kernels' rule
+    on the batch's size (here at 12 pairs, 6 rows of this model's top-2, so that the prompts are
+    past it and the decode steps within it), and their two projections, here as grouped GEMMs."""
+
+    MAX_PAIRS = 12
+
+    @classmethod
+    def fits(cls, x, pairs, gate_up):
+        return pairs <= cls.MAX_PAIRS
+
+    @staticmethod
+    def moe_gate_up(x, token, ends, gate_up):
+        gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def moe_down(h, ends, down):
+        return torch._grouped_mm(h.contiguous(), down.transpose(1, 2), offs=ends)
+
+
+@pytest.mark.parametrize("kernels", [None, KernelsStandIn], ids=["grouped-gemms", "size-ruled-kernels"])
+def test_warmed_layers_compile_nothing_while_the_engine_runs(parts, bf16, kernels, monkeypatch):
     """After ``warm_compiled`` (as the nodes run it at start) a whole engine run, prompts of
-    several lengths and decode steps of 1 to 4 rows, compiles no piece again."""
+    several lengths and decode steps of 1 to 4 rows, compiles no piece again; also where the MoE
+    piece branches on the batch's size (the GPU's decode kernels): both sides were warmed."""
     cfg, thinker = parts.cfg, bf16[0]
+    monkeypatch.setattr(layers, "MOE_KERNELS", kernels)
     counter = CompileCounter()
     try:
         compile_layers(thinker.model, counter)
