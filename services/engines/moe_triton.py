@@ -13,11 +13,14 @@ loops over blocks), or returns at once when e has none.
 - ``down``: h [P, I], ``w`` [E, H, I] -> y [P, H].
 
 Rows past ``ends[E - 1]`` (an expert-parallel rank's pairs of other ranks' experts) are not
-written. The kernels call no jit function (nor ``tl.zeros`` / ``tl.sigmoid``, which are ones): under
-the interpreter, one decorated before ``TRITON_INTERPRET`` was set (triton imported by torch.compile
-first) would not run. Both are ``torch.library`` custom ops (``mstar::moe_gate_up``, ``mstar::moe_down``) so that
-a torch.compile'd caller treats them as opaque calls; on a CPU they run under ``TRITON_INTERPRET=1``
-(fp32), which the tests use against the per-expert loop.
+written. Both are ``torch.library`` custom ops (``mstar::moe_gate_up``, ``mstar::moe_down``), so a
+torch.compile'd caller calls them as they are. On a CPU they run under ``TRITON_INTERPRET=1``
+(fp32), which the tests use against the per-expert loop. The kernels call no jit function, not even
+``tl.zeros`` or ``tl.sigmoid`` (both are jit functions): under the interpreter, a jit function
+decorated before ``TRITON_INTERPRET`` was set (Triton imported first by torch.compile) does not run.
+
+On an H200 at the Qwen3-Omni Thinker's shapes: 0.65-0.71x torch._grouped_mm's time for a layer's
+experts at 1-64 rows (``bench/engines/moe_bench.py``; ``bench/results/qwen3_omni/2026-11-27f-h200/``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 
 #: decode passes only: above this many (token, expert) pairs (prefills) the grouped GEMMs are used
+#: (the compiled MoE piece branches here: models/qwen3_omni/layers.warm_compiled warms both sides)
 MAX_PAIRS = 512
 #: launch configuration (rows a block, output columns a tile, weight columns a slice, warps, stages)
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
@@ -111,9 +115,9 @@ def moe_gate_up(x: torch.Tensor, token: torch.Tensor, ends: torch.Tensor, gate_u
     inner = two_i // 2
     h = x.new_empty(token.shape[0], inner)
     bn, bk = _blocks(inner, hidden)
-    _gate_up_kernel[(e, inner // bn)](x.contiguous(), token.contiguous(), ends, gate_up.contiguous(), h, hidden, inner, BLOCK_M=BLOCK_M, BLOCK_N=bn,
-                                      BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS,
-                                      num_stages=NUM_STAGES)
+    _gate_up_kernel[(e, inner // bn)](x.contiguous(), token.contiguous(), ends, gate_up.contiguous(), h, hidden,
+                                      inner, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
+                                      num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return h
 
 
@@ -128,8 +132,9 @@ def moe_down(h: torch.Tensor, ends: torch.Tensor, down: torch.Tensor) -> torch.T
     e, hidden, inner = down.shape
     y = h.new_empty(h.shape[0], hidden)
     bn, bk = _blocks(hidden, inner)
-    _down_kernel[(e, hidden // bn)](h.contiguous(), ends, down.contiguous(), y, hidden, inner, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-                                    IEEE=h.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _down_kernel[(e, hidden // bn)](h.contiguous(), ends, down.contiguous(), y, hidden, inner, BLOCK_M=BLOCK_M,
+                                    BLOCK_N=bn, BLOCK_K=bk, IEEE=h.dtype == torch.float32, num_warps=NUM_WARPS,
+                                    num_stages=NUM_STAGES)
     return y
 
 
