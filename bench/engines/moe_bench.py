@@ -12,34 +12,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
+from gpu_timing import graph_replay_ms
 
 from mstar.models.qwen3_omni import layers
 from mstar.services.engines import moe_triton
-
-
-def graph_ms(fn, iters: int) -> float:
-    """Median ms of one replay of a graph of ``fn``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -75,8 +53,8 @@ def main() -> None:
                     layers.grouped_experts(x, index, weight, gu, dn, kernels=kernels)
             return fn
 
-        base = graph_ms(run(None), args.iters) / args.layers
-        ref = layers.grouped_experts(x, index, weight, *weights[0], kernels=None).float()
+        base = graph_replay_ms(run(layers.GroupedGemms), args.iters) / args.layers
+        ref = layers.grouped_experts(x, index, weight, *weights[0], kernels=layers.GroupedGemms).float()
         row = {"rows": rows, "grouped_mm_us": base * 1e3, "triton": []}
         for bn, bk, warps, stages in configs:
             moe_triton.BLOCK_N, moe_triton.BLOCK_K, moe_triton.NUM_WARPS, moe_triton.NUM_STAGES = bn, bk, warps, stages
@@ -84,7 +62,7 @@ def main() -> None:
             try:
                 got = layers.grouped_experts(x, index, weight, *weights[0], kernels=moe_triton).float()
                 cfg["rel_err"] = float((got - ref).abs().max() / ref.abs().max())
-                cfg["us"] = graph_ms(run(moe_triton), args.iters) / args.layers * 1e3
+                cfg["us"] = graph_replay_ms(run(moe_triton), args.iters) / args.layers * 1e3
             except Exception as ex:  # a configuration past the shared memory: recorded, skipped
                 cfg["error"] = f"{type(ex).__name__}: {ex}"[:200]
             row["triton"].append(cfg)

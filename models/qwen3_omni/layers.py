@@ -194,14 +194,31 @@ class Experts(nn.Module):
         return y.index_add_(0, token, scaled)
 
 
+class GroupedGemms:
+    """The two projections of ``grouped_experts`` as torch._grouped_mm, one group per expert: the
+    default path, and the surface (``moe_gate_up``, ``moe_down``) that the Triton decode kernels
+    (``services/engines/moe_triton.py``) share."""
+
+    @staticmethod
+    def moe_gate_up(x: torch.Tensor, token: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """h [P, I] = silu(gate) * up of each sorted pair's row (``token``) through its expert."""
+        gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def moe_down(h: torch.Tensor, ends: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(h.contiguous(), down.transpose(1, 2), offs=ends)
+
+
 def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, kernels: Any = "auto") -> torch.Tensor:
-    """``Experts`` by two grouped GEMMs: (token, expert) pairs sorted by expert, one group each.
-    ``kernels``: the module of the Triton decode kernels (``moe_triton``) to run both with, None
-    for torch._grouped_mm, or "auto": the kernels on CUDA for a batch they take (``fits``)."""
+    """``Experts`` by two grouped projections: (token, expert) pairs sorted by expert, one group
+    each. ``kernels``: what runs them, ``GroupedGemms`` or the Triton decode kernels' module
+    (``moe_triton``); "auto": the kernels on CUDA for a batch they take (``fits``), else the GEMMs."""
     t, k = index.shape
     if isinstance(kernels, str):
-        kernels = MOE_KERNELS if MOE_KERNELS is not None and MOE_KERNELS.fits(x, t * k, gate_up) else None
+        fit = MOE_KERNELS is not None and MOE_KERNELS.fits(x, t * k, gate_up)
+        kernels = MOE_KERNELS if fit else GroupedGemms
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     n = gate_up.shape[0]
@@ -209,11 +226,7 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts[:n], 0).to(torch.int32)  # (no bincount: it reads the max back on CUDA)
     token = order // k
-    if kernels is not None:
-        y = kernels.moe_down(kernels.moe_gate_up(x, token, offs, gate_up), offs, down)
-    else:
-        gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
+    y = kernels.moe_down(kernels.moe_gate_up(x, token, offs, gate_up), offs, down)
     mine = (flat[order] < n)[:, None]  # rows past the last offset are not computed: never read them
     scaled = torch.where(mine, y * weight.reshape(-1)[order, None].to(y.dtype), 0)
     return torch.zeros_like(x).index_add_(0, token, scaled)

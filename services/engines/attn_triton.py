@@ -188,6 +188,14 @@ def splits_for(batch_size: int, kv_heads: int) -> int:
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
+def active_splits(splits: int, longest: int, min_tokens: int = MIN_SPLIT_TOKENS) -> int:
+    """Splits a step uses of a launch's ``splits`` when its longest sequence holds ``longest``
+    tokens: the largest power of two <= longest / ``min_tokens``, within [1, ``splits``] (all of
+    them when ``min_tokens`` is 0)."""
+    want = longest // min_tokens if min_tokens > 0 else splits
+    return max(1, min(splits, 1 << max(0, want.bit_length() - 1)))
+
+
 def _check_rows(t: torch.Tensor, heads: int, d: int, what: str) -> None:
     if t.dim() != 3 or t.shape[1:] != (heads, d) or t.stride()[1:] != (d, 1):
         raise ValueError(f"{what}: need [n, {heads}, {d}] with dense heads, got shape {tuple(t.shape)} "
@@ -243,9 +251,8 @@ class DeviceTableDecode:
         self.block_n = BLOCK_N_FEW if n < MANY_SEQS else BLOCK_N
         self.num_warps, self.num_stages = NUM_WARPS, NUM_STAGES
         self.splits = splits_for(n, heads.num_kv_heads)
-        active = max(1, min(self.splits, 1 << max(0, (longest // MIN_SPLIT_TOKENS).bit_length() - 1)))
         indptr = torch.arange(n + 2, dtype=torch.int32, device=dev)
-        indptr[-1:].fill_(active)  # a kernel, not a host copy: this may run inside a graph capture
+        indptr[-1:].fill_(active_splits(self.splits, longest))  # a kernel, not a host copy: this may run inside a graph capture
         self.table = (indptr, pages.to(torch.int32), lengths.to(torch.int32))
         gp, kv = _padded_group(heads), heads.num_kv_heads
         rows = n * kv * self.splits
@@ -321,10 +328,9 @@ class TritonGraphDecode:
             dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
 
     def splits_for_context(self, longest: int) -> int:
-        """Splits a step uses when its longest sequence holds ``longest`` tokens: the largest
-        power of two <= longest / ``min_split_tokens``, within [1, ``splits``]."""
-        want = longest // self.min_split_tokens if self.min_split_tokens > 0 else self.splits
-        return max(1, min(self.splits, 1 << max(0, want.bit_length() - 1)))
+        """Splits a step uses when its longest sequence holds ``longest`` tokens (``active_splits``
+        with this graph's ``min_split_tokens``)."""
+        return active_splits(self.splits, longest, self.min_split_tokens)
 
     def _launch(self, q, k, v, positions, slots, kv_layer, cos_sin, fused: bool, row_rms=None) -> torch.Tensor:
         if q.shape[0] != self._last.shape[0]:

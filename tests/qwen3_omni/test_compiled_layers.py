@@ -58,25 +58,16 @@ def test_thinker_engine_and_logits_as_eager(parts, bf16):
     assert 3 <= counter.frame_count <= 6
 
 
-class KernelsStandIn:
+class KernelsStandIn(layers.GroupedGemms):
     """What the compiled MoE piece meets on a GPU as ``layers.MOE_KERNELS``: the Triton kernels' rule
     on the batch's size (here at 12 pairs, 6 rows of this model's top-2, so that the prompts are
-    past it and the decode steps within it), and their two projections, here as grouped GEMMs."""
+    past it and the decode steps within it), and their two projections, here the grouped GEMMs."""
 
     MAX_PAIRS = 12
 
     @classmethod
     def fits(cls, x, pairs, gate_up):
         return pairs <= cls.MAX_PAIRS
-
-    @staticmethod
-    def moe_gate_up(x, token, ends, gate_up):
-        gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
-    @staticmethod
-    def moe_down(h, ends, down):
-        return torch._grouped_mm(h.contiguous(), down.transpose(1, 2), offs=ends)
 
 
 @pytest.mark.parametrize("kernels", [None, KernelsStandIn], ids=["grouped-gemms", "size-ruled-kernels"])
