@@ -66,7 +66,7 @@ class EngineDriver:
         self.steps = 0
         self.last_step_s = 0.0
         self._gather_since: float | None = None  # when a step began to wait for more calls (``gather_s``)
-        self._gather_timer: asyncio.TimerHandle | None = None
+        self._gather_wake_at = 0.0  # loop time of the pending gather wake-up (past: none pending)
 
     # -- calls in ----------------------------------------------------------------------------
     def submit(self, call: NodeCall, where: Any) -> Ready | Submitted:
@@ -179,8 +179,10 @@ class EngineDriver:
         if left <= 0:
             self._gather_since = None
             return False
-        if self._gather_timer is None or self._gather_timer.cancelled() or self._gather_timer.when() <= loop.time():
-            self._gather_timer = loop.call_later(left, self._wake)
+        if self._gather_wake_at <= loop.time():  # (not the handle's ``when()``: uvloop's call_later
+            # returns a plain Handle, which has none, when the delay rounds to 0 ms)
+            loop.call_later(left, self._wake)
+            self._gather_wake_at = loop.time() + left
         return True
 
     def _route(self, outs: list[SeqOutput], made: dict[str, tuple[NodeCall, dict | Exception]]) -> list[Completion]:
