@@ -205,3 +205,14 @@ def test_the_slot_cache_decode_in_place_on_gpu_in_bf16():
     got, _ = _slot_decode("triton", "cuda", torch.bfloat16, lengths, 64, heads)
     err = (got[:, :-2].float() - want[:, :-2].float()).abs().max() / want.float().abs().max()
     assert err < 1e-2, err
+
+
+def test_a_device_table_decode_refuses_what_its_kernel_cannot_run():
+    from mstar.services.engines.attn_triton import DeviceTableDecode
+    pages, lengths = torch.tensor([0, 1]), torch.tensor([3, 5])
+    with pytest.raises(ValueError, match="head_dim=8 must be a power of two >= 16"):
+        DeviceTableDecode(HeadShape(4, 2, 8), 16, pages, lengths, 16)
+    dec = DeviceTableDecode(HeadShape(4, 2, 16), 16, pages, lengths, 16)
+    cache = torch.zeros(2 * 16, 2, 16)
+    with pytest.raises(ValueError, match="3 query rows, the table has 2"):
+        dec.run(torch.zeros(3, 4, 16), cache, cache)
