@@ -66,7 +66,7 @@ class EngineDriver:
         self.steps = 0
         self.last_step_s = 0.0
         self._gather_since: float | None = None  # when a step began to wait for more calls (``gather_s``)
-        self._gather_wake_at = 0.0  # loop time of the pending gather wake-up (past: none pending)
+        self._gather_timer_pending = False  # a gather wake-up is scheduled and has not fired
 
     # -- calls in ----------------------------------------------------------------------------
     def submit(self, call: NodeCall, where: Any) -> Ready | Submitted:
@@ -179,11 +179,15 @@ class EngineDriver:
         if left <= 0:
             self._gather_since = None
             return False
-        if self._gather_wake_at <= loop.time():  # (not the handle's ``when()``: uvloop's call_later
-            # returns a plain Handle, which has none, when the delay rounds to 0 ms)
-            loop.call_later(left, self._wake)
-            self._gather_wake_at = loop.time() + left
+        if not self._gather_timer_pending:  # one at a time; once it fires, the next check makes another
+            self._gather_timer_pending = True
+            # at least 1 ms: uvloop runs a shorter delay as call_soon, before the wait is over
+            loop.call_later(max(left, 0.001), self._gather_timer_fired)
         return True
+
+    def _gather_timer_fired(self) -> None:
+        self._gather_timer_pending = False
+        self._wake()
 
     def _route(self, outs: list[SeqOutput], made: dict[str, tuple[NodeCall, dict | Exception]]) -> list[Completion]:
         done: list[Completion] = []
