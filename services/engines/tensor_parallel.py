@@ -17,12 +17,22 @@ order at start.
 
 CPU ranks use gloo (tests check TP=2 against TP=1 that way); CUDA ranks use NCCL for
 tensors and gloo for commands.
+
+Every rank is a process of one host (rank 0's service starts the others), so nothing of the
+group is reachable from outside it: the ranks meet in a file store in a private directory
+(``Rendezvous``: torch's TCP store would listen on every interface, whatever host it is
+given, and take any local process that connects), and gloo's and NCCL's own sockets bind the
+loopback interface (``loopback_sockets``).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +42,11 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 120.0  # every rank must join within this long
+LOOPBACK_IFNAME = "lo"
+#: the interface gloo's pairs and NCCL's bootstrap and proxy sockets bind (both libraries'
+#: own variables; without them gloo binds the address the host name resolves to, and NCCL the
+#: first interface that is not loopback)
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True)
@@ -40,11 +55,42 @@ class TPSpec:
 
     rank: int
     size: int
-    init_method: str  # tcp://host:port of rank 0's rendezvous store
+    init_method: str  # where the ranks meet: file://<Rendezvous dir>/store (a tcp:// store listens on every interface)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside [0, {self.size})")
+
+
+class Rendezvous:
+    """Where one group's ranks meet: torch's file store in a new directory only this user may
+    enter (mode 0700), made by rank 0's service and removed by ``close()`` (when the followers
+    have stopped, when the service fails, and at interpreter exit; idempotent).
+
+    A service killed outright (SIGKILL) leaves the directory behind: the store then holds the
+    loopback addresses and ports of ranks that are gone (gloo), or the id of a communicator
+    whose processes are gone (NCCL), nothing that opens anything still running."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="mstar-tp-")
+        self.init_method = f"file://{self.dir}/store"
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def loopback_sockets() -> None:
+    """Bind the collectives' sockets of this process's groups to the loopback interface (before
+    ``init_process_group``; each group reads them as it is made). A value set to another
+    interface is overridden, with a warning: every rank runs on this host."""
+    for name in SOCKET_IFNAME_VARS:
+        given = os.environ.get(name, LOOPBACK_IFNAME)
+        if given != LOOPBACK_IFNAME:
+            log.warning("%s=%s overridden with %s: tensor-parallel ranks talk over loopback only", name, given,
+                        LOOPBACK_IFNAME)
+        os.environ[name] = LOOPBACK_IFNAME
 
 
 class TensorParallel:
@@ -57,6 +103,7 @@ class TensorParallel:
         if cuda:
             torch.cuda.set_device(self.device)
         timeout = datetime.timedelta(seconds=INIT_TIMEOUT_S)
+        loopback_sockets()
         dist.init_process_group("nccl" if cuda else "gloo", init_method=spec.init_method, rank=spec.rank,
                                 world_size=spec.size, timeout=timeout, **({"device_id": self.device} if cuda else {}))
         self.group = dist.group.WORLD

@@ -18,8 +18,7 @@ from mstar import env, lifetime, metrics, nvtx, torch_profile
 from mstar import tls as mtls
 from mstar.config import Placement, load_config
 from mstar.models.registry import create_model
-from mstar.ports import free_port
-from mstar.services.engines.tensor_parallel import TPSpec
+from mstar.services.engines.tensor_parallel import Rendezvous, TPSpec
 from mstar.services.grpc_checked import add_checked
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.nodes import create_submodules
@@ -157,15 +156,20 @@ class Followers:
 
     def __init__(self, args: argparse.Namespace, size: int):
         devices = tp_devices(args.device, size, args.tp_devices)
-        self.spec = TPSpec(0, size, f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
-        self.procs = []
-        for rank in range(1, size):
-            argv = [sys.executable, "-m", "mstar.services.node_group", "--config", args.config, "--group", args.group,
-                    "--conductor", args.conductor, "--device", devices[rank], "--tp-rank", str(rank),
-                    "--tp-init", self.spec.init_method, "--log-level", args.log_level,
-                    *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
-            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                               env={**os.environ, **lifetime.child_env()}))
+        self.rendezvous = Rendezvous()
+        self.spec = TPSpec(0, size, self.rendezvous.init_method)
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, size):
+                argv = [sys.executable, "-m", "mstar.services.node_group", "--config", args.config, "--group",
+                        args.group, "--conductor", args.conductor, "--device", devices[rank], "--tp-rank", str(rank),
+                        "--tp-init", self.spec.init_method, "--log-level", args.log_level,
+                        *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+                self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                                   env={**os.environ, **lifetime.child_env()}))
+        except BaseException:
+            self.kill()
+            raise
         log.info("node group '%s': tensor-parallel ranks 1..%d started on %s", args.group, size - 1, devices[1:])
 
     async def watch(self, on_exit) -> None:
@@ -183,6 +187,15 @@ class Followers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.rendezvous.close()
+
+    def kill(self) -> None:
+        """At once, on a failure: every rank still running, and the rendezvous directory."""
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.rendezvous.close()
 
 
 async def watch_engines(runtime: NodeGroupRuntime, on_exit, interval_s: float = 0.5) -> None:
@@ -228,8 +241,7 @@ async def serve(args: argparse.Namespace) -> None:
                                    protocol, args.device, args.cache_dir, followers.spec if followers else None, tls)
     except BaseException:
         if followers:
-            for p in followers.procs:
-                p.kill()
+            followers.kill()
         raise
     for sub in runtime.engines.values():
         metrics.watch_kv(args.group, sub.kv_stats)
@@ -269,6 +281,8 @@ async def serve(args: argparse.Namespace) -> None:
     await join_conductor(args.conductor, args.group, advertised, leave=True, tls=tls)
     if failure:  # an engine that cannot step (or would block on a dead rank): leave at once, the conductor fails its requests
         log.error("node group '%s': %s; stopping", args.group, failure[0])
+        if followers:
+            followers.kill()  # os._exit runs no clean-up of its own
         os._exit(1)
     for task in watching:
         task.cancel()
