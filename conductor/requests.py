@@ -56,7 +56,6 @@ class ActiveRequest:
     first_output_s: float = 0.0
     audio_seconds: float = 0.0
     ended: bool = False
-    owner: str = ""  # the id of the API key that started it ("": the API has no keys)
 
 
 class RequestTable:

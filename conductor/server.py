@@ -50,7 +50,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                  api_keys: auth.ApiKeys = auth.NO_KEYS, per_key_max_inflight: int = 0):
         self.table, self.max_inflight, self.default_timeout_s = table, max_inflight, default_timeout_s
         self.model = table.model
-        self.by_client_id: dict[str, ActiveRequest] = {}  # client-visible request_id -> request
+        # (API key id, client-visible request_id) -> request: ids are per key, so one key can neither
+        # see (ALREADY_EXISTS) nor block nor cancel the ids of another
+        self.by_client_id: dict[tuple[str, str], ActiveRequest] = {}
         self.api_keys, self.key_limits = api_keys, auth.KeyLimiter(per_key_max_inflight)
         self.metrics = metrics.RequestMetrics(self.model.name, lambda: len(table.active), max_inflight)
         # where a heavy model's process_prompt runs (video decoding): off the loop that routes every request
@@ -70,18 +72,20 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return kid
 
     async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
-        async for resp in self._run(request.model, partial(prompt_from_request, request), request.request_id,
+        kid = await self._caller(context)
+        async for resp in self._run(kid, request.model, partial(prompt_from_request, request), request.request_id,
                                     request.timeout_s, context, size=request.ByteSize()):
             yield resp
 
     async def Act(self, request: cpb.ActRequest, context: grpc.aio.ServicerContext) -> cpb.ActResponse:
+        kid = await self._caller(context)  # before anything about the request is answered
         name = self.model.act_output
         if request.model == self.model.name and name is None:
             self.metrics.rejected("INVALID_ARGUMENT")
             await context.abort_with_status(invalid_argument_status("model", f"model '{self.model.name}' does not "
                                             "serve Act (a policy's call, e.g. pi05's); call Generate"))
         actions, last = None, cpb.GenerateResponse()
-        async for resp in self._run(request.model, partial(act.prompt_from_act, request), request.request_id,
+        async for resp in self._run(kid, request.model, partial(act.prompt_from_act, request), request.request_id,
                                     request.timeout_s, context, act.act_field, request.ByteSize()):
             actions = next((c.tensor for c in resp.chunks if c.name == name), actions)
             last = resp  # read to the end: the request is released and counted before the reply
@@ -118,14 +122,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "prompt")
         return self.prompt_pool if self.model.heavy_prompt or size > INLINE_READ_BYTES else None
 
-    async def _run(self, model: str, make_prompt: Callable[[], Prompt], client_id: str, timeout_s: float,
+    async def _run(self, kid: str, model: str, make_prompt: Callable[[], Prompt], client_id: str, timeout_s: float,
                    context: grpc.aio.ServicerContext, field_name: Callable[[str], str] = str, size: int = 0):
-        """One request from its fields to its last message: read (``make_prompt``, the model's
-        validate_kwargs and process_prompt), admission, the walks, timeout, cancellation, metrics.
-        Yields GenerateResponse messages; fails by aborting ``context``. ``field_name`` renames the
-        field of an INVALID_ARGUMENT into the caller's request (Act's names)."""
+        """One request of the authenticated key ``kid`` from its fields to its last message: read
+        (``make_prompt``, the model's validate_kwargs and process_prompt), admission, the walks,
+        timeout, cancellation, metrics. Yields GenerateResponse messages; fails by aborting
+        ``context``. ``field_name`` renames the field of an INVALID_ARGUMENT into the caller's
+        request (Act's names)."""
         t0 = time.perf_counter()
-        kid = await self._caller(context)
         if model != self.model.name:
             self.metrics.rejected("NOT_FOUND")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{model}'. Served: {self.model.name}")
@@ -148,7 +152,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"conductor is at its admission limit of {self.max_inflight} in-flight requests; retry later")
         rid = client_id or uuid.uuid4().hex
-        if rid in self.by_client_id:
+        if (kid, rid) in self.by_client_id:
             self.metrics.rejected("ALREADY_EXISTS")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: '{rid}' is already in flight")
         if kid and not self.key_limits.acquire(kid):
@@ -158,7 +162,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         process_s = time.perf_counter() - t0
         # the mesh sees a fresh id per request: node groups remember ended ids to drop late
         # frames, so a client may reuse its own id once the earlier request has ended
-        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0, owner=kid)
+        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0)
         try:
             self.table.pin(ar)
         except NoReplica as e:
@@ -172,7 +176,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         outcome: str | None = None  # a Failure's code, OK, or (None at the end) CANCELLED: the client went away
         deadline: asyncio.TimerHandle | None = None
         self.table.active[ar.request_id] = ar
-        self.by_client_id[rid] = ar
+        self.by_client_id[kid, rid] = ar
         self.metrics.started.inc()
         try:  # from here on every path releases the request (finally)
             # one timer for the whole request (not a wait_for task per event): at the deadline the
@@ -229,14 +233,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 self.metrics.failed(outcome or "CANCELLED", ar.audio_seconds)
             self.table.release(ar)
             self.table.active.pop(ar.request_id, None)
-            self.by_client_id.pop(rid, None)
+            self.by_client_id.pop((kid, rid), None)
             if kid:
                 self.key_limits.release(kid)
 
     async def Cancel(self, request: cpb.CancelRequest, context):
         kid = await self._caller(context)
-        ar = self.by_client_id.get(request.request_id)
-        if ar is None or ar.ended or ar.owner != kid:  # another key's request: as unknown
+        ar = self.by_client_id.get((kid, request.request_id))  # another key's request is not found
+        if ar is None or ar.ended:
             return cpb.CancelResponse(cancelled=False)
         self.table.fail(ar, grpc.StatusCode.CANCELLED, f"request '{request.request_id}' was cancelled")
         return cpb.CancelResponse(cancelled=True)
@@ -369,7 +373,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "gateway and Envoy)")
     p.add_argument("--internal-address", default="127.0.0.1:0", help="host:port of the internal API (WalkEvents; "
                    "node groups only: give them this as --conductor)")
-    p.add_argument("--tls-dir", default=None, help=mtls.TLS_DIR_HELP)
+    mtls.add_args(p)
     p.add_argument("--api-keys-file", default=None, help=auth.API_KEYS_HELP)
     p.add_argument("--per-key-max-inflight", type=int, default=0, help=auth.PER_KEY_HELP)
     p.add_argument("--groups", required=True, help='JSON {"group": "host:port" or ["host:port", ...]}: the replicas of every '
@@ -386,8 +390,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     try:
-        tls = mtls.load(args.tls_dir)
-        mtls.check_binds(tls, {"--internal-address": args.internal_address}, "conductor")
+        tls = mtls.from_args(args, {"--internal-address": args.internal_address}, "conductor")
         api_keys = auth.ApiKeys.load(args.api_keys_file)
     except ValueError as e:
         log.error("%s", e)

@@ -81,9 +81,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="Mooncake engines listen on PORT and up, two ports per node group and conductor (default: "
                         "each engine picks from 15000-17000)")
     p.add_argument("--tls-dir", metavar="DIR|auto",
-                   help="mutual TLS for internal gRPC (node groups, the conductor's internal port): DIR holds ca.pem, "
-                        "cert.pem, key.pem (`mstar tls init DIR` makes them); 'auto': a throwaway CA for this mesh. "
-                        "Without it internal gRPC is plaintext and only loopback binds are allowed")
+                   help="internal gRPC (node groups, the conductor's internal port) is always mutual TLS; by default "
+                        "('auto') with a CA made in memory for this mesh and never written to disk. DIR: the "
+                        "certificate in DIR instead (ca.pem, cert.pem, key.pem; `mstar tls init DIR` makes them), so "
+                        "replicas started by hand can join")
+    p.add_argument("--insecure-internal", action="store_true",
+                   help="internal gRPC in PLAINTEXT instead (development only; loopback binds only): any local "
+                        "process can then join the mesh, read requests and send it frames")
     p.add_argument("--api-keys-file", metavar="PATH",
                    help="API keys the gateway and the conductor's public API require (one per line; also "
                         "MSTAR_API_KEYS, comma-separated); clients send 'Authorization: Bearer <key>'. Default: open")
@@ -129,7 +133,8 @@ def _serve_settings(args: argparse.Namespace) -> dict:
         out["transfer_address"] = transfer_address(args.tcp_transfer_device)
     if args.per_key_max_inflight < 0:
         raise ValueError(f"--per-key-max-inflight must be >= 0, got {args.per_key_max_inflight}")
-    out.update(tls_dir=args.tls_dir, api_keys_file=args.api_keys_file, per_key_max_inflight=args.per_key_max_inflight)
+    out.update(tls_dir=args.tls_dir, insecure_internal=args.insecure_internal, api_keys_file=args.api_keys_file,
+               per_key_max_inflight=args.per_key_max_inflight)
     return out
 
 
@@ -171,8 +176,8 @@ def main(argv=None) -> None:
     check.add_argument("config")
     tls_cmd = sub.add_parser("tls", help="certificates for mutual TLS between the mesh's services")
     tls_sub = tls_cmd.add_subparsers(dest="tls_cmd", required=True)
-    init = tls_sub.add_parser("init", help="write a new CA and a mesh certificate (ca.pem, cert.pem, key.pem, "
-                                           "ca-key.pem) into DIR")
+    init = tls_sub.add_parser("init", help="write a new CA's certificate and a mesh certificate (ca.pem, cert.pem, "
+                                           "key.pem) into DIR; the CA's key is not kept")
     init.add_argument("dir")
     init.add_argument("--host", action="append", default=[], help="another DNS name or IP the certificate names "
                                                                    "(repeatable; every channel also accepts "
@@ -183,8 +188,8 @@ def main(argv=None) -> None:
         from mstar import tls as mtls
 
         out = mtls.write_mesh_ca(args.dir, args.host, args.days)
-        print(f"mstar: wrote a CA and a mesh certificate to {out} (keep ca-key.pem and key.pem secret; give every "
-              f"service --tls-dir {out} without ca-key.pem)")
+        print(f"mstar: wrote a CA and a mesh certificate to {out} (keep key.pem secret; give every service "
+              f"--tls-dir {out}; the CA's key was not kept: a new certificate needs a new `mstar tls init`)")
         sys.exit(0)
     if args.cmd == "deploy":
         sys.exit(deploy_cli.main(args))

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -68,7 +67,8 @@ class LaunchOptions:
     upload_dir_max_mb: float = 1024.0  # the most the gateway keeps in upload_dir at once
     mooncake_port: int | None = None  # first of the ports Mooncake engines listen on (None: Mooncake picks)
     transfer_address: str | None = None  # IPv4 the node groups bind, so tensors cross there (None: host)
-    tls_dir: str | None = None  # mesh CA + certificate for internal gRPC; "auto": a throwaway one; None: plaintext
+    tls_dir: str | None = None  # a folder with the mesh's certificate; None or "auto": a CA made in memory at start
+    insecure_internal: bool = False  # internal gRPC in plaintext (loopback only; warned once)
     api_keys_file: str | None = None  # API keys of the public surfaces (also MSTAR_API_KEYS)
     per_key_max_inflight: int = 0  # in-flight requests per API key (0: no limit)
 
@@ -78,6 +78,8 @@ class LaunchOptions:
         if not self.request_timeout_s > 0:
             raise ValueError(f"--request-timeout/--timeout must be a positive number of seconds, got "
                              f"{self.request_timeout_s:g}")
+        if self.insecure_internal and self.tls_dir not in (None, "auto"):
+            raise ValueError("--insecure-internal and --tls-dir exclude each other; pass one")
         if self.upload_dir is not None and not (self.upload_spill_mb >= 0 and self.upload_dir_max_mb > 0):
             raise ValueError(f"--upload-spill-mb must be >= 0 and --upload-dir-max-mb > 0, got "
                              f"{self.upload_spill_mb:g} and {self.upload_dir_max_mb:g}")
@@ -95,6 +97,7 @@ class Service:
     env: dict[str, str] | None = None  # this service's additions to the mesh's environment
     mooncake_ports: tuple[int, int] | None = None  # (first, last) its Mooncake engine may listen on
     tls: mtls.TLSSettings | None = None  # its gRPC port serves mutual TLS (health checks present the mesh's cert)
+    takes_tls: bool = False  # started with the mesh's TLS flags (node groups, the conductor, the xDS control plane)
     internal_address: str | None = None  # the conductor's internal (WalkEvents) port
 
     @property
@@ -122,12 +125,9 @@ class Mesh:
         self.conductor_address = f"{h}:{grpc_port}"  # public: Conductor (clients, gateway, Envoy)
         self.internal_address = f"{h}:{free_port(h)}"  # internal: WalkEvents (node groups)
         self.api_keys = auth.ApiKeys.load(opts.api_keys_file)  # checked here: a bad file stops the launch now
-        self._auto_tls: Path | None = None
-        self.tls_dir = self._tls_dir(opts.tls_dir, [h, th])
-        self.tls = mtls.load(self.tls_dir)
+        self.tls, tls_args = self._tls(opts, [h, th])
         mtls.check_binds(self.tls, {**{f"node group '{g}'": a for g, a in groups.items()},
                                     "conductor internal port": self.internal_address}, "mstar serve")
-        tls_args = ["--tls-dir", self.tls_dir] if self.tls_dir else []
         key_args = ["--api-keys-file", opts.api_keys_file] if opts.api_keys_file else []
         self.url = f"http://{h}:{http_port}"
         py, cfg, lvl = sys.executable, str(opts.config_path), opts.log_level
@@ -141,14 +141,15 @@ class Mesh:
                 argv += ["--cache-dir", opts.cache_dir]
             if g.tp_size > 1 and opts.gpus is not None:  # the service starts ranks 1.. itself
                 argv += ["--tp-devices", ",".join(f"cuda:{opts.gpus[r]}" for r in g.ranks)]
-            self.services.append(Service(g.name, "node_group", groups[g.name], argv, tls=self.tls))
+            self.services.append(Service(g.name, "node_group", groups[g.name], argv, tls=self.tls, takes_tls=True))
         self.services.append(Service("conductor", "conductor", self.conductor_address, [
             py, "-m", "mstar.conductor", "--config", cfg, "--address", self.conductor_address,
             "--internal-address", self.internal_address, *tls_args, *key_args,
             "--per-key-max-inflight", str(opts.per_key_max_inflight),
             "--groups", json.dumps(groups), "--tensor-comm-protocol", opts.protocol, "--log-level", lvl,
             "--max-inflight", str(opts.max_inflight), "--request-timeout", str(opts.request_timeout_s),
-            *(["--cache-dir", opts.cache_dir] if opts.cache_dir else [])], internal_address=self.internal_address))
+            *(["--cache-dir", opts.cache_dir] if opts.cache_dir else [])], internal_address=self.internal_address,
+            takes_tls=True))
         self.services.append(Service("gateway", "gateway", f"{h}:{http_port}", [
             py, "-m", "mstar.gateway", "--conductor", self.conductor_address, "--host", h, *key_args,
             "--port", str(http_port), "--log-level", lvl, "--request-timeout", str(opts.request_timeout_s),
@@ -160,30 +161,26 @@ class Mesh:
         if opts.envoy:
             from mstar.xds.local import FrontProxy
 
-            self.proxy = self._proxy(FrontProxy, self.services, h, opts.envoy_port, python=py, log_level=lvl,
-                                     request_timeout_s=opts.request_timeout_s, max_inflight=opts.max_inflight,
-                                     tls_dir=self.tls_dir)
+            self.proxy = FrontProxy(self.services, h, opts.envoy_port, python=py, log_level=lvl,
+                                    request_timeout_s=opts.request_timeout_s, max_inflight=opts.max_inflight,
+                                    tls_args=tls_args if self.tls is not None else None)
             self.services += self.proxy.services
         for s in self.services:
             if s.kind not in ("gateway", "envoy"):
                 s.metrics_port = free_port(s.host)
                 s.argv += ["--metrics-port", str(s.metrics_port)]
 
-    def _proxy(self, make, *args, **kw):
-        try:
-            return make(*args, **kw)
-        except BaseException:
-            if self._auto_tls is not None:
-                shutil.rmtree(self._auto_tls, ignore_errors=True)
-            raise
-
-    def _tls_dir(self, given: str | None, hosts: list[str]) -> str | None:
-        """``auto``: a throwaway CA and mesh certificate in a private temporary folder, removed at stop."""
-        if given != "auto":
-            return given
-        self._auto_tls = Path(tempfile.mkdtemp(prefix="mstar-tls-"))
-        mtls.write_mesh_ca(self._auto_tls, hosts)
-        return str(self._auto_tls)
+    @staticmethod
+    def _tls(opts: LaunchOptions, hosts: list[str]) -> tuple[mtls.TLSSettings | None, list[str]]:
+        """The mesh's TLS and the flags its services get. By default a CA made in memory, handed to
+        each service through a pipe at start (``--tls-fd``): no key is written anywhere, so a
+        SIGKILLed launcher leaves none behind. ``--tls-dir DIR``: that folder's certificate (replicas
+        started by hand can join). ``--insecure-internal``: plaintext, warned here once for all."""
+        if opts.insecure_internal:
+            return None, [f"--insecure-internal={mtls.QUIET}"]
+        if opts.tls_dir in (None, "auto"):
+            return mtls.TLSSettings.in_memory(hosts), []
+        return mtls.TLSSettings.from_dir(opts.tls_dir), ["--tls-dir", opts.tls_dir]
 
     def _assign_mooncake_ports(self, first: int) -> None:
         """Each service that may start a Mooncake engine (node groups, the conductor) gets two
@@ -241,12 +238,24 @@ class Mesh:
             for kind in ("node_group", "conductor", "gateway", "xds", "envoy"):
                 batch = [s for s in self.services if s.kind == kind]
                 for s in batch:
-                    s.proc = subprocess.Popen(s.argv, env={**env, **(s.env or {})}, stdin=subprocess.DEVNULL)
+                    s.proc = self._popen(s, {**env, **(s.env or {})})
                 for s in batch:
                     self._wait_healthy(s)
         except BaseException:
             self.stop()
             raise
+
+    def _popen(self, s: Service, env: dict[str, str]) -> subprocess.Popen:
+        """Start ``s``; one that takes the mesh's TLS made in memory reads it from a pipe (``--tls-fd``)."""
+        if not (s.takes_tls and self.tls is not None and self.opts.tls_dir in (None, "auto")):
+            return subprocess.Popen(s.argv, env=env, stdin=subprocess.DEVNULL)
+        r, w = os.pipe()
+        try:
+            with os.fdopen(w, "wb") as f:  # a few KiB: the pipe holds it until the service reads it
+                f.write(self.tls.to_bundle())
+            return subprocess.Popen([*s.argv, "--tls-fd", str(r)], env=env, stdin=subprocess.DEVNULL, pass_fds=(r,))
+        finally:
+            os.close(r)
 
     def _wait_healthy(self, s: Service) -> None:
         """Until ``s`` reports healthy; every WAIT_NOTE_S a line on stderr says which service the
@@ -316,8 +325,6 @@ class Mesh:
         self.cleanup_uploads()
         if self.proxy is not None:
             self.proxy.cleanup()
-        if self._auto_tls is not None:
-            shutil.rmtree(self._auto_tls, ignore_errors=True)
 
     def cleanup_shm(self) -> list[str]:
         """Remove shared-memory segments any of this mesh's services left behind."""
@@ -340,7 +347,7 @@ class Mesh:
         lines = [f"M* ready: model '{self.config.model}' at {self.url} (gRPC {self.conductor_address}; "
                  f"{len(groups)} node group(s): {', '.join(groups)})",
                  f"M* security: internal gRPC {self.internal_address} ("
-                 f"{'mutual TLS, ' + str(self.tls_dir) if self.tls else 'PLAINTEXT, loopback only'}); API keys "
+                 f"{'mutual TLS, ' + self.tls.source if self.tls else 'PLAINTEXT, loopback only'}); API keys "
                  f"{'required' if self.api_keys.enabled else 'OFF: the public API is open'}",
                  f"M* metrics: {json.dumps(self.metrics_urls())}"]
         if self.proxy is not None:

@@ -7,13 +7,19 @@ A mesh shares one CA; its certificate names ``SERVER_NAME`` (DNS SAN), and chann
 name whatever address they dial (``grpc.ssl_target_name_override``): node-group replicas join
 with whatever IP their container has, which no certificate made in advance could list.
 
-Without TLS every internal bind must be loopback (development): ``check_binds`` refuses the rest.
+TLS is the default. ``mstar serve`` makes a CA and the mesh's certificate in memory at start and hands
+them to each service it starts through an inherited pipe (``--tls-fd``): no key is ever written to
+disk, so a SIGKILLed launcher leaves none behind, and the CA's key never leaves the launcher. A
+service started by hand takes ``--tls-dir DIR`` (``mstar tls init DIR``). Plaintext needs
+``--insecure-internal``, and even then every internal bind must be loopback (``check_binds``).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -27,8 +33,11 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "mstar.internal"
 FILES = ("ca.pem", "cert.pem", "key.pem")
 TLS_DIR_HELP = ("directory with ca.pem (the mesh's CA), cert.pem and key.pem (this service's certificate, for DNS name "
-                f"'{SERVER_NAME}', and its key): internal gRPC (WalkEvents, NodeGroup) then uses mutual TLS. Without "
-                "it internal gRPC is plaintext and allowed only on loopback")
+                f"'{SERVER_NAME}', and its key): internal gRPC (WalkEvents, NodeGroup) uses mutual TLS with them")
+INSECURE_HELP = ("internal gRPC in PLAINTEXT (development only; loopback binds only): any local process can then join "
+                 "the mesh, read requests and send it frames")
+#: ``--insecure-internal=quiet``: the launcher already warned about plaintext once for the whole mesh
+QUIET = "quiet"
 
 
 class TLSError(ValueError):
@@ -42,6 +51,38 @@ class TLSSettings:
     key: bytes = field(repr=False)
     source: str = ""  # where they were read (for messages)
     server_name: str = SERVER_NAME
+
+    @classmethod
+    def in_memory(cls, hosts: list[str] = (), days: int = 365) -> TLSSettings:
+        """A fresh CA and one mesh certificate, never written anywhere: the CA's key is dropped
+        once the certificate is signed (nothing else is ever signed by it)."""
+        ca_key, ca = make_ca(days=days)
+        key, cert = issue(ca_key, ca, hosts, days)
+        return cls(ca, cert, _key_pem(key), "made in memory for this mesh")
+
+    def to_bundle(self) -> bytes:
+        """What a launcher writes into a service's ``--tls-fd`` pipe."""
+        return json.dumps({"ca": self.ca.decode(), "cert": self.cert.decode(), "key": self.key.decode()}).encode()
+
+    @classmethod
+    def from_fd(cls, fd: int) -> TLSSettings:
+        """Read (to its end) and close the pipe a launcher handed over with ``--tls-fd``."""
+        chunks = []
+        try:
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        except OSError as e:
+            raise TLSError(f"--tls-fd {fd}: cannot read it: {e.strerror or e}") from None
+        finally:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            d = json.loads(b"".join(chunks))
+            return cls(d["ca"].encode(), d["cert"].encode(), d["key"].encode(), "handed over by the launcher")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise TLSError(f"--tls-fd {fd}: not a TLS bundle from `mstar serve`") from None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TLSSettings:
@@ -69,6 +110,34 @@ class TLSSettings:
 
 def load(tls_dir: str | None) -> TLSSettings | None:
     return None if not tls_dir else TLSSettings.from_dir(tls_dir)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """A service's TLS flags: exactly one of --tls-dir, --tls-fd (the launcher's) and --insecure-internal."""
+    p.add_argument("--tls-dir", default=None, help=TLS_DIR_HELP)
+    p.add_argument("--tls-fd", type=int, default=None, help=argparse.SUPPRESS)  # a pipe mstar serve writes the keys to
+    p.add_argument("--insecure-internal", nargs="?", const="warn", choices=("warn", QUIET), default=None,
+                   help=INSECURE_HELP)
+
+
+def from_args(args: argparse.Namespace, binds: dict[str, str], who: str, required: bool = True) -> TLSSettings | None:
+    """The TLS a service was started with (``add_args``), after ``check_binds``. Raise TLSError when
+    none was chosen (``required``) or more than one was."""
+    given = [f for f, v in (("--tls-dir", args.tls_dir), ("--tls-fd", args.tls_fd),
+                            ("--insecure-internal", args.insecure_internal)) if v is not None]
+    if len(given) > 1:
+        raise TLSError(f"{who}: {' and '.join(given)} exclude each other; pass one")
+    tls = None
+    if args.tls_fd is not None:
+        tls = TLSSettings.from_fd(args.tls_fd)
+    elif args.tls_dir:
+        tls = TLSSettings.from_dir(args.tls_dir)
+    elif required and args.insecure_internal is None:
+        raise TLSError(f"{who}: internal gRPC needs mutual TLS: pass --tls-dir DIR (ca.pem, cert.pem, key.pem; "
+                       f"`mstar tls init DIR` makes them), or --insecure-internal for plaintext on loopback "
+                       f"(development only)")
+    check_binds(tls, binds, who, warn=args.insecure_internal != QUIET)
+    return tls
 
 
 def aio_channel(address: str, tls: TLSSettings | None, options=()) -> grpc.aio.Channel:
@@ -105,36 +174,37 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-def check_binds(tls: TLSSettings | None, addresses: dict[str, str], who: str) -> None:
+def check_binds(tls: TLSSettings | None, addresses: dict[str, str], who: str, warn: bool = True) -> None:
     """Internal gRPC without TLS only on loopback: raise TLSError naming what binds elsewhere;
-    on loopback, warn loudly (any local process can join the mesh or inject frames)."""
+    on loopback, warn loudly (any local process can join the mesh or inject frames) unless the
+    launcher already did (``warn=False``)."""
     if tls is not None:
         return
     exposed = {what: a for what, a in addresses.items() if not is_loopback(host_of(a))}
     if exposed:
         listed = ", ".join(f"{what} {a}" for what, a in exposed.items())
         raise TLSError(f"{who}: refusing plaintext internal gRPC on a non-loopback address ({listed}): anyone who reaches "
-                       f"it could join the mesh and read every request. Pass --tls-dir DIR (a mesh CA and certificate; "
-                       f"`mstar tls init DIR` makes them; `mstar serve --tls-dir auto` makes a throwaway one), or bind "
-                       f"127.0.0.1")
-    log.warning("%s: internal gRPC WITHOUT TLS on loopback (development only): any local process can join this mesh "
-                "or send it frames; pass --tls-dir for mutual TLS", who)
+                       f"it could join the mesh and read every request. Drop --insecure-internal (`mstar serve` makes "
+                       f"a mesh CA in memory; a service started by hand takes --tls-dir DIR, which `mstar tls init DIR` "
+                       f"fills), or bind 127.0.0.1")
+    if warn:
+        log.warning("%s: internal gRPC WITHOUT TLS (--insecure-internal; development only): any local process can "
+                    "join this mesh or send it frames", who)
 
 
 # -- making a CA and a mesh certificate (the `cryptography` package) -----------------------------
 def write_mesh_ca(directory: str | Path, hosts: list[str] = (), days: int = 365) -> Path:
-    """Write a fresh CA and one certificate for the whole mesh into ``directory`` (ca.pem,
-    cert.pem, key.pem, plus ca-key.pem to sign more): the certificate names ``SERVER_NAME``,
-    localhost, 127.0.0.1 and ``hosts``, and serves as both server and client certificate.
-    Returns the directory. Files are written owner-only."""
+    """Write a fresh CA's certificate and one certificate for the whole mesh into ``directory``
+    (ca.pem, cert.pem, key.pem): the certificate names ``SERVER_NAME``, localhost, 127.0.0.1 and
+    ``hosts``, and serves as both server and client certificate. The CA's key is never written:
+    the folder is what every service reads, and a service holding the CA's key could mint
+    certificates. Returns the directory. Files are written owner-only."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    ca_key, ca_cert = make_ca()
-    key, cert = issue(ca_key, ca_cert, hosts, days)
-    _write(d / "ca.pem", ca_cert)
-    _write(d / "ca-key.pem", _key_pem(ca_key))
-    _write(d / "cert.pem", cert)
-    _write(d / "key.pem", _key_pem(key))
+    tls = TLSSettings.in_memory(hosts, days)
+    _write(d / "ca.pem", tls.ca)
+    _write(d / "cert.pem", tls.cert)
+    _write(d / "key.pem", tls.key)
     return d
 
 

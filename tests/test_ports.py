@@ -62,7 +62,7 @@ def test_a_service_on_a_taken_port_exits_with_one_line(tmp_path):
         port = busy.getsockname()[1]
         groups = {g: f"127.0.0.1:{free_port('127.0.0.1')}" for g in ("encoder", "decoder", "audio")}
         r = subprocess.run([sys.executable, "-m", "mstar.conductor", "--config", str(config), "--address",
-                            f"127.0.0.1:{port}", "--groups", json.dumps(groups)], capture_output=True, text=True,
+                            f"127.0.0.1:{port}", "--groups", json.dumps(groups), "--insecure-internal"], capture_output=True, text=True,
                            timeout=60)
     assert r.returncode == EXIT_PORT_IN_USE == 98, r.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in r.stderr and "Traceback" not in r.stderr

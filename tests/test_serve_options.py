@@ -74,14 +74,17 @@ def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch
     starts it without a preexec_fn (a real fork() in a process using gRPC can deadlock)."""
     import mstar.launcher as launcher
 
-    started = {}
+    started, handed = {}, {}
 
     class FakeProc:
         returncode = 0
 
-        def __init__(self, argv, env, stdin):
+        def __init__(self, argv, env, stdin, pass_fds=()):
             self.argv = argv
-            started[argv[argv.index("--group") + 1] if "--group" in argv else argv[2]] = env
+            name = argv[argv.index("--group") + 1] if "--group" in argv else argv[2]
+            started[name] = env
+            # the mesh's TLS (made in memory) reaches the services that serve internal gRPC through a pipe
+            handed[name] = pass_fds == (int(argv[argv.index("--tls-fd") + 1]),) if "--tls-fd" in argv else pass_fds
 
         def poll(self):
             return 0
@@ -103,6 +106,7 @@ def test_every_started_service_gets_the_mesh_environment(toy_config, monkeypatch
              for n in ("encoder", "decoder", "audio", "mstar.conductor")]
     assert ports == [("41000", "41001"), ("41002", "41003"), ("41004", "41005"), ("41006", "41007")]
     assert "MC_MIN_RPC_PORT" not in started["mstar.gateway"]
+    assert handed == {"encoder": True, "decoder": True, "audio": True, "mstar.conductor": True, "mstar.gateway": ()}
 
 
 def test_mooncake_ports_are_checked_before_anything_starts(toy_config):

@@ -14,6 +14,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from mstar import tls as mtls
 from mstar.launcher import LaunchError, Service
 from mstar.ports import free_port
 from mstar.xds.envoy import EnvoyNotFound, envoy_binary
@@ -34,7 +35,9 @@ def register(targets_dir: str | Path, name: str, cluster: str, address: str, hea
 
 class FrontProxy:
     def __init__(self, services: list[Service], host: str, envoy_port: int, *, python: str, log_level: str,
-                 request_timeout_s: float, max_inflight: int, poll_s: float = 1.0, tls_dir: str | None = None):
+                 request_timeout_s: float, max_inflight: int, poll_s: float = 1.0, tls_args: list[str] | None = None):
+        """``tls_args``: the mesh's TLS flags when its node groups serve mutual TLS (their health checks
+        present the mesh's certificate), None for a plaintext mesh."""
         try:  # refuse at once rather than have a process die at start
             envoy_binary()
         except EnvoyNotFound as e:
@@ -54,7 +57,7 @@ class FrontProxy:
             elif s.kind == "conductor":
                 register(self.targets, s.name, "conductor", s.address, "grpc")
             elif s.kind == "node_group":
-                register(self.targets, s.name, node_cluster(s.name), s.address, "grpc-mtls" if tls_dir else "grpc")
+                register(self.targets, s.name, node_cluster(s.name), s.address, "grpc-mtls" if tls_args is not None else "grpc")
         self.xds_address = f"{host}:{free_port(host)}"
         self.host = host
         self._admin_file = self.dir / "envoy-admin-address"
@@ -62,7 +65,7 @@ class FrontProxy:
             python, "-m", "mstar.xds", "--address", self.xds_address, "--targets", str(self.targets),
             "--listen", f"{host}:{envoy_port}", "--poll-interval", str(poll_s), "--log-level", log_level,
             "--request-timeout", str(request_timeout_s), "--max-generate", str(max_inflight),
-            *(["--tls-dir", tls_dir] if tls_dir else [])])
+            *(tls_args or [f"--insecure-internal={mtls.QUIET}"])], takes_tls=tls_args is not None)
         self.envoy = Service("envoy", "envoy", f"{host}:{envoy_port}", [
             python, "-m", "mstar.xds.envoy", "--xds", self.xds_address, "--admin", f"{host}:0",
             "--admin-address-file", str(self._admin_file), "--bootstrap-out", str(self.dir / "bootstrap.yaml"),

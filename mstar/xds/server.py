@@ -90,17 +90,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0, help="longest generate call through Envoy, seconds")
     p.add_argument("--max-generate", type=int, default=256, help="concurrent generate calls per cluster (circuit breaker)")
     p.add_argument("--max-requests", type=int, default=1024, help="concurrent requests on other routes")
-    p.add_argument("--tls-dir", default=None, help="the mesh's certificates (mstar.tls), for health checks of "
-                   "'grpc-mtls' targets")
+    mtls.add_args(p)  # the mesh's certificate, for health checks of 'grpc-mtls' targets
     p.add_argument("--log-level", default="INFO")
     metrics.add_metrics_arg(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    try:  # its ADS port stays plaintext beside Envoy (README: Security); TLS is for health checks of node groups
+        tls = mtls.from_args(args, {}, "xds control plane", required=False)
+    except mtls.TLSError as e:
+        log.error("%s", e)
+        raise SystemExit(2) from None
     host, _, port = args.listen.rpartition(":")
     settings = ProxySettings(host.strip("[]"), int(port), args.request_timeout, args.max_generate, args.max_requests)
-    plane = ControlPlane(TargetSource(args.targets), settings, HealthChecker(args.health_timeout, mtls.load(args.tls_dir)))
+    plane = ControlPlane(TargetSource(args.targets), settings, HealthChecker(args.health_timeout, tls))
     server = ControlPlaneServer(args.address, plane)
     if args.metrics_port is not None:
         log.info("xds metrics on port %d", metrics.serve_metrics(args.address, args.metrics_port))

@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(default: --address with its bound port; a wildcard host becomes this host's IP)")
     p.add_argument("--conductor", required=True, help="the conductor's internal host:port (its --internal-address: "
                    "WalkEvents)")
-    p.add_argument("--tls-dir", default=None, help=mtls.TLS_DIR_HELP)
+    mtls.add_args(p)
     p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--port-file", metavar="PATH", help='write {"address", "port", "metrics_port"} as JSON to PATH '
                    "once serving (useful with port 0)")
@@ -224,8 +224,7 @@ def follow(args: argparse.Namespace) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     try:
-        tls = mtls.load(args.tls_dir)
-        mtls.check_binds(tls, {"--address": args.address}, f"node group '{args.group}'")
+        tls = mtls.from_args(args, {"--address": args.address}, f"node group '{args.group}'")
     except ValueError as e:
         log.error("%s", e)
         raise SystemExit(2) from None

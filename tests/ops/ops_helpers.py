@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import METRICS, READY, LauncherProcess
 
-SECURITY = re.compile(r"M\* security: internal gRPC ([\d.:]+) \((mutual TLS, (\S+)|PLAINTEXT[^)]*)\); API keys (\w+)")
+SECURITY = re.compile(r"M\* security: internal gRPC ([\d.:]+) \((mutual TLS, ([^)]+)|PLAINTEXT[^)]*)\); API keys (\w+)")
 ENVOY = re.compile(r"M\* envoy: (http://[\d.:]+) \(REST and gRPC; admin (http://[\d.:]+); xDS ([\d.:]+); targets (\S+)\)")
 
 
@@ -22,7 +22,8 @@ class Launched(LauncherProcess):
     def __init__(self, *args: str):
         super().__init__(*args)
         self.url = self.grpc = self.envoy = self.envoy_admin = self.targets = None
-        self.internal = self.tls_dir = None  # the conductor's internal (WalkEvents) address; the mesh's TLS folder
+        # the conductor's internal (WalkEvents) address; how it is protected; the mesh's TLS folder (--tls-dir)
+        self.internal = self.tls = self.tls_dir = None
         self.metrics: dict[str, str] = {}
 
     def wait_ready(self, timeout: float = 90.0, envoy: bool = False) -> Launched:
@@ -30,7 +31,8 @@ class Launched(LauncherProcess):
             if m := READY.search(line):
                 self.url, self.grpc = m.group(2), m.group(3)
             elif m := SECURITY.search(line):
-                self.internal, self.tls_dir = m.group(1), m.group(3)
+                self.internal, self.tls = m.group(1), m.group(2)
+                self.tls_dir = m.group(3) if m.group(3) and m.group(3).startswith("/") else None  # None: in memory
             elif m := METRICS.search(line):
                 self.metrics = json.loads(m.group(1))
                 if not envoy:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from ops_helpers import Launched, http, scrape, value, wait_for
 
+from mstar.tls import write_mesh_ca
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc
 
@@ -38,8 +39,10 @@ ROT13 = TEXT.translate(str.maketrans("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOP
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    m = Launched("serve", "toy", "--port", "0", "--grpc-port", "0", "--envoy", "--envoy-port", "0",
+def mesh(tmp_path_factory):
+    """The mesh's certificate in a folder (``--tls-dir``), so the replicas the tests start can join."""
+    tls_dir = str(write_mesh_ca(tmp_path_factory.mktemp("tls")))
+    m = Launched("serve", "toy", "--port", "0", "--grpc-port", "0", "--envoy", "--envoy-port", "0", "--tls-dir", tls_dir,
                  "--log-level", "WARNING").wait_ready(envoy=True)
     yield m
     assert m.stop() == 0, m.stderr(3000)
@@ -162,13 +165,13 @@ def test_replicas_join_fail_and_leave(mesh):
 class NodeGroupReplica:
     """Another replica of a node group, started by the test; it joins the conductor itself."""
 
-    def __init__(self, conductor: str, group: str):
+    def __init__(self, conductor: str, group: str, tls_dir: str):
         self.group = group
         self.port_file = os.path.join(tempfile.mkdtemp(prefix="mstar-ng-"), "ports.json")
         self.proc = subprocess.Popen([sys.executable, "-m", "mstar.services.node_group", "--config",
                                       str(default_config_path("toy")), "--group", group, "--address", "127.0.0.1:0",
                                       "--conductor", conductor, "--metrics-port", "0", "--port-file", self.port_file,
-                                      "--log-level", "WARNING"], stdin=subprocess.DEVNULL)
+                                      "--tls-dir", tls_dir, "--log-level", "WARNING"], stdin=subprocess.DEVNULL)
 
         def ports():
             assert self.proc.poll() is None, f"the {group} replica exited with code {self.proc.returncode}"
@@ -199,12 +202,12 @@ def serving(mesh, group: str) -> float:
 
 
 def test_node_group_replicas_join_fail_and_leave(mesh):
-    b = NodeGroupReplica(mesh.internal, "decoder")
+    b = NodeGroupReplica(mesh.internal, "decoder", mesh.tls_dir)
     c = None
     try:
         # a second replica starts, joins the conductor by itself and is published to Envoy
         wait_for(lambda: serving(mesh, "decoder") == 2, 30, "the conductor to route to two decoder replicas")
-        register(mesh.targets, "decoder-b", "node-decoder", b.address, "grpc")
+        register(mesh.targets, "decoder-b", "node-decoder", b.address, "grpc-mtls")
         wait_for(lambda: envoy_hosts(mesh, "node-decoder").get(b.address) == "HEALTHY", 15, "Envoy to see replica b")
         before = routed(mesh, "decoder")
         generate_via_envoy(mesh, 8)
@@ -227,7 +230,7 @@ def test_node_group_replicas_join_fail_and_leave(mesh):
 
         # replica c joins and takes traffic; then drains (SIGTERM): it leaves first, so nothing
         # is routed to it while it finishes
-        c = NodeGroupReplica(mesh.internal, "decoder")
+        c = NodeGroupReplica(mesh.internal, "decoder", mesh.tls_dir)
         wait_for(lambda: serving(mesh, "decoder") == 2, 30, "the conductor to route to replica c")
         before = routed(mesh, "decoder")
         generate_via_envoy(mesh, 6)

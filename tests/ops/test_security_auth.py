@@ -2,16 +2,17 @@
 on separate ports, mutual TLS on the internal ones, API keys on the gateway, the Conductor API
 and through Envoy, a per-key concurrency limit, and routes only to announced replicas.
 
-One mesh for the module: ``mstar serve toy --tls-dir auto --api-keys-file F
---per-key-max-inflight 1`` (plus ``--envoy`` where the Envoy binary is installed)."""
+One mesh for the module: ``mstar serve toy --tls-dir DIR --api-keys-file F --per-key-max-inflight 1``
+(plus ``--envoy`` where the Envoy binary is installed; DIR from ``mstar tls init``, so the tests can
+present the mesh's certificate). TLS by default (issue 49) is tested on meshes of its own."""
 
 import json
-import os
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 
 import grpc
 import pytest
@@ -44,15 +45,15 @@ except (ImportError, EnvoyNotFound) as e:  # pragma: no cover - only without the
 def mesh(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"# the test's keys\n{KEY}\n{OTHER_KEY}  # a second user\n")
-    args = ["serve", "toy", "--port", "0", "--grpc-port", "0", "--tls-dir", "auto", "--api-keys-file", str(keys),
+    tls_dir = str(mtls.write_mesh_ca(tmp_path_factory.mktemp("tls")))
+    args = ["serve", "toy", "--port", "0", "--grpc-port", "0", "--tls-dir", tls_dir, "--api-keys-file", str(keys),
             "--per-key-max-inflight", "1", "--log-level", "WARNING"]
     if ENVOY_MISSING is None:
         args += ["--envoy", "--envoy-port", "0"]
     m = Launched(*args).wait_ready(envoy=ENVOY_MISSING is None)
-    assert m.internal and m.tls_dir, "the launcher names the internal port and its TLS folder"
+    assert m.internal and m.tls_dir == tls_dir, "the launcher names the internal port and its TLS folder"
     yield m
     assert m.stop() == 0, m.stderr(3000)
-    assert not os.path.exists(m.tls_dir), "the throwaway CA is removed with the mesh"
 
 
 def http(method: str, url: str, body=None, key: str | None = None, timeout: float = 20.0) -> tuple[int, dict]:
@@ -164,12 +165,47 @@ def test_internal_calls_need_the_meshs_certificate(mesh, tmp_path):
 
 def test_plaintext_internal_grpc_is_refused_off_loopback():
     r = subprocess.run([sys.executable, "-m", "mstar.cli", "serve", "toy", "--host", "0.0.0.0", "--port", "0",
-                        "--grpc-port", "0"], capture_output=True, text=True, timeout=120)
+                        "--grpc-port", "0", "--insecure-internal"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "refusing plaintext internal gRPC on a non-loopback address" in r.stderr, r.stderr
-    assert "--tls-dir" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "mstar.conductor", "--config", "models/toy/configs/default.yaml",
-                        "--groups", "{}", "--internal-address", "0.0.0.0:0"], capture_output=True, text=True, timeout=120)
+    assert "--insecure-internal" in r.stderr
+    conductor = [sys.executable, "-m", "mstar.conductor", "--config", "models/toy/configs/default.yaml", "--groups", "{}"]
+    r = subprocess.run([*conductor, "--internal-address", "0.0.0.0:0", "--insecure-internal"], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 2 and "refusing plaintext internal gRPC" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_service_started_by_hand_needs_tls_or_the_explicit_flag():
+    """Issue 49, hole 4: plaintext was what a service did when given nothing; now it refuses to start."""
+    config = ["--config", "models/toy/configs/default.yaml"]
+    for argv in (["mstar.conductor", *config, "--groups", "{}"],
+                 ["mstar.services.node_group", *config, "--group", "encoder", "--conductor", "127.0.0.1:9"]):
+        r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (argv, r.stderr[-2000:])
+        assert "needs mutual TLS: pass --tls-dir DIR" in r.stderr and "--insecure-internal" in r.stderr, r.stderr[-2000:]
+
+
+def test_serve_is_mutual_tls_by_default():
+    """Issue 49, hole 4: with no TLS flag `mstar serve` served internal gRPC in plaintext (any local
+    process could join a fake replica). Now the mesh makes a CA in memory and hands it to its services."""
+    m = Launched("serve", "toy", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING").wait_ready()
+    try:
+        assert m.tls == "mutual TLS, made in memory for this mesh" and m.tls_dir is None, m.tls
+        assert join_with(m.internal, None) == grpc.StatusCode.UNAVAILABLE, "a plaintext peer is refused"
+        assert grpc_generate(m.grpc, None) == ROT13
+        assert "WITHOUT TLS" not in m.stderr()
+    finally:
+        assert m.stop() == 0, m.stderr(3000)
+
+
+def test_plaintext_is_explicit_and_warned_once():
+    m = Launched("serve", "toy", "--port", "0", "--grpc-port", "0", "--insecure-internal",
+                 "--log-level", "WARNING").wait_ready()
+    try:
+        assert m.tls.startswith("PLAINTEXT"), m.tls
+        assert isinstance(join_with(m.internal, None), cpb.CheckRouteResponse), "plaintext was asked for"
+        assert m.stderr().count("WITHOUT TLS") == 1, m.stderr(3000)
+    finally:
+        assert m.stop() == 0, m.stderr(3000)
 
 
 # -- routes: only to replicas the conductor announced ------------------------------------------
@@ -283,6 +319,36 @@ def test_cancel_only_by_the_key_that_started_it(mesh):
         assert not stub.Cancel(cpb.CancelRequest(request_id="mine"), timeout=5, metadata=auth(OTHER_KEY)).cancelled
         assert stub.Cancel(cpb.CancelRequest(request_id="mine"), timeout=5, metadata=auth(KEY)).cancelled
         assert grpc_code(lambda: list(call)) == grpc.StatusCode.CANCELLED
+
+
+def test_request_ids_are_per_key(mesh):
+    """Issue 49, hole 5: a key reusing another key's in-flight request_id got ALREADY_EXISTS, which told
+    it the other key had that id and let it block ids the other would use. Ids are per key now."""
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        stub = conductor_pb2_grpc.ConductorStub(ch)
+        held = stub.Generate(cpb.GenerateRequest(model="toy", text="held", request_id="shared-id",
+                                                 model_kwargs_json='{"delay_ms": 1000}'), timeout=30, metadata=auth(KEY))
+        next(held)  # in flight under KEY for ~4 s (a second per decoder call)
+        again = stub.Generate(cpb.GenerateRequest(model="toy", text="x", request_id="shared-id"), timeout=30,
+                              metadata=auth(KEY))
+        assert grpc_code(lambda: list(again)) == grpc.StatusCode.ALREADY_EXISTS, "within one key ids stay unique"
+        other = list(stub.Generate(cpb.GenerateRequest(model="toy", text=TEXT, request_id="shared-id"), timeout=30,
+                                   metadata=auth(OTHER_KEY)))  # admitted while KEY's is in flight
+        assert other[-1].request_id == "shared-id" and other[-1].HasField("final")
+        assert "".join(c.text for r in other for c in r.chunks if c.name == "text") == ROT13
+        assert list(held)[-1].HasField("final")
+
+
+def test_act_authenticates_before_it_answers(mesh):
+    """Issue 49, hole 6: Act told a caller without a key that the model does not serve Act."""
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        stub = conductor_pb2_grpc.ConductorStub(ch)
+        for key in (None, WRONG_KEY):
+            for model in ("toy", "no-such-model"):
+                code = grpc_code(partial(stub.Act, cpb.ActRequest(model=model, task="x"), timeout=10, metadata=auth(key)))
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (key, model)
+        code = grpc_code(lambda: stub.Act(cpb.ActRequest(model="toy", task="x"), timeout=10, metadata=auth(KEY)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, "with a key, the answer about the model comes"
 
 
 # -- the same through Envoy -----------------------------------------------------------------------

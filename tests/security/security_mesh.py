@@ -29,10 +29,10 @@ class Mesh:
         return self.launcher.stderr(n)
 
 
-def start_mesh(*args: str) -> Mesh:
+def start_mesh(*args: str, env: dict[str, str] | None = None) -> Mesh:
     prefix = f"mstar-sec-{uuid.uuid4().hex[:12]}-"
     launcher = LauncherProcess("serve", "toy", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING",
-                               "--socket-path-prefix", prefix, *args)
+                               "--socket-path-prefix", prefix, *args, env=env)
     ready = []
 
     def handle(line: str) -> Mesh | None:

@@ -1,6 +1,8 @@
 """Issue 30, finding 10: a SIGKILLed launcher left its services running under PID 1, holding
 their ports and shared memory. Now each service gets SIGTERM when the launcher dies
-(PR_SET_PDEATHSIG, mstar/lifetime.py) and stops cleanly, unlinking its segments."""
+(PR_SET_PDEATHSIG, mstar/lifetime.py) and stops cleanly, unlinking its segments.
+Issue 49, hole 3: ``--tls-dir auto`` left the mesh's CA key and a service key in the temporary
+folder after a SIGKILL; now no key is ever written (the launcher hands it over through pipes)."""
 
 from __future__ import annotations
 
@@ -45,10 +47,28 @@ def port_free(port: int) -> bool:
     return True
 
 
+def private_keys(folder) -> list[str]:
+    """Files under ``folder`` that hold a PEM private key."""
+    found = []
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as f:
+                    if b"PRIVATE KEY-----" in f.read():
+                        found.append(path)
+            except OSError:
+                pass
+    return found
+
+
 @pytest.mark.timeout(120)
-def test_services_die_with_a_sigkilled_launcher():
-    mesh = start_mesh("--tensor-comm-protocol", "SHM")
+def test_services_die_with_a_sigkilled_launcher(tmp_path):
+    tmp = tmp_path / "tmp"  # the mesh's temporary folder (TMPDIR): where --tls-dir auto once wrote its keys
+    tmp.mkdir()
+    mesh = start_mesh("--tensor-comm-protocol", "SHM", "--tls-dir", "auto", env={"TMPDIR": str(tmp)})
     try:
+        assert private_keys(tmp) == [], "the mesh's keys stay in memory"
         services = children(mesh.proc.pid)
         assert len(services) >= 5, services  # 3 node groups, the conductor, the gateway
         # a tensor between two groups through shared memory: the mesh holds segments now
@@ -67,6 +87,7 @@ def test_services_die_with_a_sigkilled_launcher():
         assert not [p for p in services if alive(p)], "services outlived their launcher"
         assert all(port_free(p) for p in ports), ports
         assert glob.glob(f"/dev/shm/{mesh.prefix}*") == []
+        assert private_keys(tmp) == [], "no key is left behind"
     finally:
         for p in children(mesh.proc.pid) if mesh.proc.poll() is None else []:
             os.kill(p, signal.SIGKILL)
