@@ -409,8 +409,12 @@ async def serve(args: argparse.Namespace) -> None:
     for g in placement.config.group_names:
         if not groups.setdefault(g, []):
             log.warning("node group '%s' has no replica yet: requests fail UNAVAILABLE until one joins", g)
-    protocol = parse_protocol(args.tensor_comm_protocol)
-    configure_service(args.address, protocol)
+    try:
+        protocol = parse_protocol(args.tensor_comm_protocol)
+        configure_service(args.address, protocol)
+    except ValueError as e:  # a protocol this service cannot use: one line saying why, and no serving
+        log.error("conductor: %s", e)
+        raise SystemExit(2) from None
     table = RequestTable(model, placement, Replicas(groups, tls=tls), protocol, tls=tls)
     server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout,
                                  probe_interval_s=args.probe_interval, internal_address=args.internal_address, tls=tls,

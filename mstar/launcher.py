@@ -25,6 +25,7 @@ from mstar.config import Placement, PlacementConfig
 from mstar.models import hub
 from mstar.models.registry import create_model
 from mstar.ports import EXIT_PORT_IN_USE, PortInUse, free_port, taken_ports
+from mstar.services.transport import parse_protocol
 from mstar.shm_names import PrefixLock
 
 #: how often a start still waiting for a service says so on stderr (seconds)
@@ -83,6 +84,7 @@ class LaunchOptions:
         if self.upload_dir is not None and not (self.upload_spill_mb >= 0 and self.upload_dir_max_mb > 0):
             raise ValueError(f"--upload-spill-mb must be >= 0 and --upload-dir-max-mb > 0, got "
                              f"{self.upload_spill_mb:g} and {self.upload_dir_max_mb:g}")
+        parse_protocol(self.protocol)  # a known --tensor-comm-protocol, and RDMA only where Mooncake imports
 
 
 @dataclass

@@ -231,8 +231,12 @@ async def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config)
     model = create_model(config.model, config.model_kwargs, args.cache_dir)
     placement = Placement(config, model)
-    protocol = parse_protocol(args.tensor_comm_protocol)
-    configure_service(args.address, protocol)
+    try:
+        protocol = parse_protocol(args.tensor_comm_protocol)
+        configure_service(args.address, protocol)
+    except ValueError as e:  # a protocol this service cannot use: one line saying why, and no serving
+        log.error("node group '%s': %s", args.group, e)
+        raise SystemExit(2) from None
     size = config.group(args.group).tp_size
     followers = Followers(args, size) if size > 1 else None
     try:

@@ -18,8 +18,10 @@ from mstar.services.transport.base import (
     Protocol,
     TensorReceiver,
     TensorSender,
+    TransportUnavailable,
     configure_service,
     parse_protocol,
 )
 
-__all__ = ["PROTOCOL_HELP", "LinkSender", "Protocol", "TensorReceiver", "TensorSender", "configure_service", "parse_protocol"]
+__all__ = ["PROTOCOL_HELP", "LinkSender", "Protocol", "TensorReceiver", "TensorSender", "TransportUnavailable",
+           "configure_service", "parse_protocol"]

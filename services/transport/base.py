@@ -77,14 +77,33 @@ def parse_protocol(value: str) -> Protocol:
     return proto
 
 
+class TransportUnavailable(ValueError):
+    """The forced ``--tensor-comm-protocol`` cannot work in this service; the message says why."""
+
+
 def configure_service(address: str, protocol: Protocol) -> None:
-    """At service start, before serving: offer Mooncake to peers on other hosts when this
-    service can be reached from them (it binds a non-loopback address) and Mooncake is
-    installed. Loopback-only services never need it and start no engine."""
+    """At service start, before serving (and before the service's location is advertised).
+
+    AUTO: offer Mooncake to peers on other hosts when this service can be reached from them (it
+    binds a non-loopback address) and Mooncake is installed; loopback-only services never need
+    it and start no engine. RDMA: every tensor of ``MIN_REF_BYTES`` or more, to any peer, is a
+    Mooncake ref, so this service starts its engine now, on the address it binds (loopback
+    included), and offers it to every sender; where the engine cannot start, this raises
+    ``TransportUnavailable`` and the service must not serve (a sender's refs would fail each
+    request that carries one)."""
     from mstar.services.transport import mooncake
 
     host = address.rsplit(":", 1)[0].strip("[]")
-    if protocol in (Protocol.AUTO, Protocol.RDMA) and mooncake.available() and not host.startswith("127.") \
+    if protocol is Protocol.RDMA:
+        if not mooncake.available():
+            raise TransportUnavailable(f"--tensor-comm-protocol RDMA needs the Mooncake transfer engine: "
+                                       f"{mooncake.unavailable_reason()}")
+        try:
+            mooncake.configure(host)
+            mooncake.engine()
+        except mooncake.MooncakeError as e:
+            raise TransportUnavailable(f"--tensor-comm-protocol RDMA: {e}") from None
+    elif protocol is Protocol.AUTO and mooncake.available() and not host.startswith("127.") \
             and host not in ("localhost", "::1"):
         mooncake.configure(host)
 

@@ -21,12 +21,13 @@ fetches the sender's segment descriptor from the sender itself), so a session id
 on; a network namespace counts as a host of its own) and picks the protocol: ``rdma`` where
 the host has RDMA devices, ``tcp`` otherwise.
 
-Without ``configure()`` the engine uses 127.0.0.1 when something needs it (a forced
-``--tensor-comm-protocol RDMA`` between processes of one host, tests) and ``advertise()``
-offers nothing: AUTO sends Mooncake refs only to peers on other hosts, and a loopback
-session is wrong there (a reader on another host would dial its own loopback). A service
-that wants Mooncake across hosts calls ``configure()`` at start-up, before it advertises
-its location.
+Without ``configure()`` the engine uses 127.0.0.1 when something needs it (tests, one
+process) and ``advertise()`` offers nothing: AUTO sends Mooncake refs only to peers on other
+hosts, and a loopback session is wrong there (a reader on another host would dial its own
+loopback). A service calls ``configure()`` at start-up, before it advertises its location
+(``base.configure_service``): under AUTO when it binds an address other hosts reach, under a
+forced ``--tensor-comm-protocol RDMA`` always (loopback too: every peer sends it refs), and
+then starts the engine at once, refusing to serve if it cannot.
 
 Failures. A read that fails raises ``MooncakeError`` naming the sender's session (and is
 acknowledged all the same). Refused connections and unknown hosts fail at once; a peer that
@@ -86,6 +87,7 @@ class ReadTimedOut(MooncakeError):
 
 @functools.cache
 def _import_error() -> str:
+    _engine_env_defaults()  # Mooncake reads its log level once, as the module loads
     try:
         import mooncake.engine  # noqa: F401
     except Exception as e:  # ImportError, or a missing libibverbs
@@ -146,12 +148,13 @@ class Engine:
     def __init__(self, host: str, protocol: str, configured: bool):
         from mooncake.engine import TransferEngine
 
-        _engine_env_defaults()
         self.te = TransferEngine()
         rc = self.te.initialize(host, METADATA, protocol, "")
         if rc != 0:
+            ports = f"{os.environ.get('MC_MIN_RPC_PORT', '15000')}-{os.environ.get('MC_MAX_RPC_PORT', '17000')}"
             raise MooncakeError(f"Mooncake transfer engine failed to start on {host} ({protocol}, {METADATA}): "
-                                f"initialize returned {rc}; is {host} an address of this host?")
+                                f"initialize returned {rc}; is {host} an address of this host, and is a port of "
+                                f"{ports} (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, --mooncake-port) free?")
         self.host, self.protocol, self.configured, self.pid = host, protocol, configured, os.getpid()
         self.session = f"{host}:{self.te.get_rpc_port()}"
         self.registered: dict[int, int] = {}  # address -> bytes
