@@ -20,6 +20,7 @@ from mstar.gateway.auth import API_KEYS, require_api_key
 from mstar.gateway.client import ConductorClient
 from mstar.gateway.errors import json_errors
 from mstar.gateway.generate import CLIENT, SETTINGS, UPLOADS, GatewaySettings, generate
+from mstar.gateway.json_body import json_workers
 from mstar.gateway.metrics import http_metrics, metrics_handler
 from mstar.gateway.oai.chat import chat_completions
 from mstar.gateway.oai.edits import edit_images
@@ -47,6 +48,7 @@ def create_app(conductor_address: str, *, max_upload_bytes: int = DEFAULT_MAX_UP
     app[SPEC] = build(settings)
     app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_conductor_channel)
+    app.cleanup_ctx.append(json_workers)  # large JSON bodies' worker processes, started on first use
     if uploads is not None:
         app[UPLOADS] = UploadDir(uploads)
         app.cleanup_ctx.append(_upload_dir)

@@ -21,6 +21,14 @@ API_KEYS = web.AppKey("api_keys", ApiKeys)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 #: the authenticated caller's gRPC metadata, set for the handler's task (its calls to the conductor carry it)
 CALLER_METADATA: ContextVar[tuple[tuple[str, str], ...]] = ContextVar("caller_metadata", default=())
+#: the authenticated caller's key id (mstar.auth.key_id), set for the handler's task; "" without keys
+CALLER_KEY_ID: ContextVar[str] = ContextVar("caller_key_id", default="")
+
+
+def caller_of(request: web.Request) -> str:
+    """Who sends ``request``, for per-caller fairness (json_fair.py): its API key's id, or without
+    keys its client address (behind a proxy, the proxy's: all its clients are one caller then)."""
+    return CALLER_KEY_ID.get() or f"address {request.remote}"
 
 
 def unauthenticated() -> web.Response:
@@ -34,7 +42,9 @@ async def require_api_key(request: web.Request, handler) -> web.StreamResponse:
     if not keys.enabled or request.path in OPEN_PATHS:
         return await handler(request)
     token = bearer(request.headers.get("Authorization"))
-    if keys.identify(token) is None:
+    kid = keys.identify(token)
+    if kid is None:
         return unauthenticated()
     CALLER_METADATA.set((("authorization", f"Bearer {token}"),))
+    CALLER_KEY_ID.set(kid)
     return await handler(request)

@@ -15,7 +15,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from mstar import untrusted
 from mstar.gateway.errors import ApiError, bad_request, too_large
+from mstar.gateway.json_body import check_json_type, read_json_body, read_json_field
+from mstar.gateway.json_bounds import json_type
 from mstar.gateway.uploads import RequestFiles
+from mstar.limits import MIN_TIMEOUT_S
 
 FIELDS = ("model", "text", "model_kwargs", "stream", "timeout_s", "request_id", "output")
 _READ_CHUNK = 1 << 16
@@ -56,7 +59,7 @@ async def read_generate_body(request: web.Request, max_bytes: int, max_timeout_s
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large(max_bytes)
     if request.content_type == "application/json":
-        return _from_json(await _read_all(request, max_bytes), max_timeout_s)
+        return _validate(await read_json_body(request, max_bytes, "generate", max_timeout_s), max_timeout_s)
     if request.content_type == "multipart/form-data":
         return await _from_multipart(request, max_bytes, max_timeout_s, spill)
     sent = request.headers.get(hdrs.CONTENT_TYPE, "no Content-Type")
@@ -64,35 +67,13 @@ async def read_generate_body(request: web.Request, max_bytes: int, max_timeout_s
                    code="UNSUPPORTED_MEDIA_TYPE")
 
 
-async def _read_all(request: web.Request, max_bytes: int) -> bytes:
-    try:
-        return await request.read()  # enforces the app's client_max_size even without Content-Length
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large(max_bytes) from None
-
-
-def _from_json(raw: bytes, max_timeout_s: float) -> GenerateBody:
-    return _validate(_json_object(raw), max_timeout_s)
-
-
-def _json_object(raw: bytes) -> dict:
-    try:
-        values = untrusted.loads(raw)
-    except untrusted.Untrusted as e:  # a value the JSON carries (NaN, a lone surrogate) is named by its path
-        raise (bad_request(e.path, f"{e.path}: {e}") if e.path else bad_request(None, f"malformed JSON body: {e}")) from None
-    if not isinstance(values, dict):
-        raise bad_request(None, f"the body must be a JSON object, got {json_type(values)}")
-    return values
-
-
-async def read_json_object(request: web.Request, max_bytes: int) -> dict:
-    """A body that must be one JSON object (the OpenAI-compatible routes)."""
+async def read_json_object(request: web.Request, max_bytes: int, shape: str, wait_s: float) -> dict:
+    """A body that must be one JSON object (the OpenAI-compatible routes), shaped by
+    ``json_bounds.SHAPES[shape]``; ``wait_s``: the longest its caller waits for a turn (json_fair.py)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large(max_bytes)
-    if request.content_type != "application/json":
-        sent = request.headers.get(hdrs.CONTENT_TYPE, "no Content-Type")
-        raise ApiError(415, f"unsupported Content-Type '{sent}'; send application/json", code="UNSUPPORTED_MEDIA_TYPE")
-    return _json_object(await _read_all(request, max_bytes))
+    check_json_type(request)
+    return await read_json_body(request, max_bytes, shape, wait_s)
 
 
 async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: float,
@@ -122,7 +103,7 @@ async def _from_multipart(request: web.Request, max_bytes: int, max_timeout_s: f
         if name in FIELDS:  # a known field wins even when sent as a file (curl -F model_kwargs=@kw.json)
             if name in values:
                 raise bad_request(name, f"{name}: sent more than once")
-            values[name] = _form_value(name, data)
+            values[name] = await _form_value(request, name, data, max_timeout_s)
         elif is_file:
             content_type = part.headers.get(hdrs.CONTENT_TYPE, "application/octet-stream")
             files.append(Upload(name, content_type, path=data) if isinstance(data, Path) else
@@ -160,18 +141,14 @@ async def _read_part(part: BodyPartReader, budget: int, max_bytes: int,
     return (path, size) if path is not None else (bytes(buf), size)
 
 
-def _form_value(name: str, data: bytes) -> object:
+async def _form_value(request: web.Request, name: str, data: bytes, max_timeout_s: float) -> object:
     """Form fields arrive as strings; give them the JSON types _validate expects."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request(name, f"{name}: not valid UTF-8") from None
     if name == "model_kwargs":
-        try:
-            return untrusted.loads(text)
-        except untrusted.Untrusted as e:
-            where = f"model_kwargs.{e.path}" if e.path else "model_kwargs"
-            raise bad_request(where, f"{where}: {e}") from None
+        return await read_json_field(request, name, data, wait_s=max_timeout_s)
     if name == "stream":
         flag = text.strip().lower()
         if flag not in ("true", "false"):
@@ -207,24 +184,11 @@ def _validate(values: dict, max_timeout_s: float, files: tuple[Upload, ...] = ()
             raise bad_request("timeout_s", f"timeout_s: must be a number, got {json_type(timeout_s)}")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise bad_request("timeout_s", f"timeout_s: must be a positive number of seconds, got {timeout_s}")
+        if timeout_s < MIN_TIMEOUT_S:
+            raise bad_request("timeout_s", f"timeout_s: {timeout_s:g} s is below the smallest timeout, "
+                                           f"{MIN_TIMEOUT_S:g} s")
         if timeout_s > max_timeout_s:
             raise bad_request("timeout_s", f"timeout_s: {timeout_s:g} s exceeds this gateway's limit of {max_timeout_s:g} s")
     return GenerateBody(model=values["model"], text=values.get("text", ""), model_kwargs=values.get("model_kwargs", {}),
                         stream=values.get("stream", False), timeout_s=float(timeout_s),
                         request_id=values.get("request_id", ""), files=files, output=values.get("output", ""))
-
-
-def json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__

@@ -37,9 +37,12 @@ _REASONS = {499: "Client Closed Request"}
 class ApiError(Exception):
     """An error answer: HTTP status, message, the request field at fault (if any), code."""
 
-    def __init__(self, status: int, message: str, *, code: str, field: str | None = None):
+    def __init__(self, status: int, message: str, *, code: str, field: str | None = None,
+                 headers: dict[str, str] | None = None):
+        """``headers``: sent with the answer (a 429's ``Retry-After``)."""
         super().__init__(message)
         self.status, self.message, self.code, self.field = status, message, code, field
+        self.headers = headers or {}
 
     @property
     def type(self) -> str:
@@ -56,7 +59,7 @@ class ApiError(Exception):
 
     def response(self, headers: dict[str, str] | None = None, *, openai: bool = False) -> web.Response:
         return web.json_response(self.body(openai=openai), status=self.status, reason=_REASONS.get(self.status),
-                                 headers=headers)
+                                 headers={**self.headers, **(headers or {})} or None)
 
 
 def bad_request(field: str | None, message: str) -> ApiError:

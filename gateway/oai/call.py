@@ -16,6 +16,7 @@ import grpc
 from aiohttp import web
 
 from mstar.client.errors import InvalidArgument
+from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request, from_rpc_error
 from mstar.gateway.generate import CLIENT, DEADLINE_SLACK_S, SETTINGS, next_message, settle
 from mstar.gateway.oai.params import Params
@@ -37,6 +38,12 @@ def openai_route(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
             return from_rpc_error(e).response(openai=True)
 
     return wrapped
+
+
+async def openai_body(request: web.Request, shape: str) -> dict:
+    """The route's JSON body, read and bounded by json_bounds.SHAPES[shape] (json_body.py)."""
+    settings = request.app[SETTINGS]
+    return await read_json_object(request, settings.max_upload_bytes, shape, settings.request_timeout_s)
 
 
 def sse(obj: dict | str) -> bytes:

@@ -40,16 +40,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from mstar.client.messages import ChatInput, chat_from_messages
+from mstar.client.messages import ChatInput
 from mstar.client.types import pcm16_wav
-from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request
-from mstar.gateway.generate import SETTINGS
+from mstar.gateway.json_bounds import ReadMessages
 from mstar.gateway.oai.call import (
     api_kwargs,
     conductor_call,
     error_event,
     model_info,
+    openai_body,
     openai_route,
     served_output,
     sse,
@@ -72,6 +72,8 @@ from mstar.v1 import conductor_pb2 as cpb
 
 log = logging.getLogger("mstar.gateway")
 ROUTE = "/v1/chat/completions"
+#: ``messages`` as the body's reader leaves them: read, by chat_from_messages (json_bounds.chat)
+MESSAGES = ("an array", lambda v: isinstance(v, ReadMessages))
 
 #: OpenAI parameters M* does not honour: the values that change nothing pass, others are a 400 with the reason.
 KNOWN: dict[str, Known] = {
@@ -122,7 +124,7 @@ class AudioOut:
 def _parse(body: dict) -> ChatRequest:
     p = Params(body)
     model = p.string("model", required=True)
-    chat = chat_from_messages(p.take("messages", ARRAY, required=True))
+    chat = p.take("messages", MESSAGES, required=True).result()
     stream = bool(p.take("stream", BOOL))
     options = p.take("stream_options", OBJECT) or {}
     if options and not stream:
@@ -188,7 +190,7 @@ def _audio_out(r: ChatRequest, api: cpb.ModelApi) -> AudioOut | None:
 
 @openai_route
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    r = _parse(await read_json_object(request, request.app[SETTINGS].max_upload_bytes))
+    r = _parse(await openai_body(request, "chat"))
     info = await model_info(request, r.model)
     output = await served_output(request, r.model, "text", ROUTE, info)
     files = media_files(r.chat.media, info.api, r.model)

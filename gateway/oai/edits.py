@@ -14,7 +14,6 @@ No ``mask``: a 400. An image that is not PNG/JPEG/WebP, or that the model cannot
 
 from __future__ import annotations
 
-import json
 import time
 
 from aiohttp import BodyPartReader, web
@@ -23,6 +22,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from mstar.gateway.body import _read_part
 from mstar.gateway.errors import ApiError, bad_request
 from mstar.gateway.generate import SETTINGS
+from mstar.gateway.json_body import read_json_field
 from mstar.gateway.oai.call import api_kwargs, conductor_call, model_info, openai_route, served_output
 from mstar.gateway.oai.images import EXTRAS, KNOWN, image_knobs, images_response
 from mstar.gateway.oai.media import image_type
@@ -76,7 +76,7 @@ async def _read_form(request: web.Request, max_bytes: int) -> tuple[dict, cpb.In
             continue
         if part.name in values:
             raise bad_request(part.name, f"{part.name}: sent more than once")
-        values[part.name] = _form_value(part.name, data)
+        values[part.name] = await _form_value(request, part.name, data)
     if image is None:
         raise bad_request("image", "image: required (a PNG, JPEG or WebP file part)")
     return values, image
@@ -88,18 +88,15 @@ def _too_large(limit: int, field: str | None = None) -> ApiError:
                     code="PAYLOAD_TOO_LARGE", field=field)
 
 
-def _form_value(name: str, data: bytes) -> object:
+async def _form_value(request: web.Request, name: str, data: bytes) -> object:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request(name, f"{name}: not valid UTF-8") from None
     if name not in JSON_FIELDS:
         return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        what = "a JSON object" if name == "model_kwargs" else "a number"
-        raise bad_request(name, f"{name}: must be {what}, got {text[:40]!r}") from None
+    what = "a JSON object" if name == "model_kwargs" else "a number"
+    return await read_json_field(request, name, data, what, request.app[SETTINGS].request_timeout_s)
 
 
 @openai_route

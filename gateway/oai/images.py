@@ -23,10 +23,8 @@ import time
 
 from aiohttp import web
 
-from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request
-from mstar.gateway.generate import SETTINGS
-from mstar.gateway.oai.call import ConductorStream, conductor_call, openai_route, served_output
+from mstar.gateway.oai.call import ConductorStream, conductor_call, openai_body, openai_route, served_output
 from mstar.gateway.oai.media import parse_size
 from mstar.gateway.oai.params import INTEGER, NUMBER, STRING, Known, Params, exactly, never
 from mstar.v1 import conductor_pb2 as cpb
@@ -76,7 +74,7 @@ async def images_response(call: ConductorStream, output: str, created: int) -> w
 
 @openai_route
 async def generate_images(request: web.Request) -> web.Response:
-    p = Params(await read_json_object(request, request.app[SETTINGS].max_upload_bytes))
+    p = Params(await openai_body(request, "images"))
     model = p.string("model", required=True)
     prompt = p.string("prompt", required=True)
     image_knobs(p)

@@ -27,14 +27,13 @@ import struct
 
 from aiohttp import web
 
-from mstar.gateway.body import read_json_object
 from mstar.gateway.errors import ApiError, bad_request
-from mstar.gateway.generate import SETTINGS
 from mstar.gateway.oai.call import (
     api_kwargs,
     conductor_call,
     error_event,
     model_info,
+    openai_body,
     openai_route,
     served_output,
     sse,
@@ -88,7 +87,7 @@ def _no_audio(model: str, output: str) -> ApiError:
 
 @openai_route
 async def speech(request: web.Request) -> web.StreamResponse:
-    params, model, text, fmt, stream_format = _parse(await read_json_object(request, request.app[SETTINGS].max_upload_bytes))
+    params, model, text, fmt, stream_format = _parse(await openai_body(request, "speech"))
     info = await model_info(request, model)
     output = await served_output(request, model, "audio", ROUTE, info)
     params.route_kwargs(api_kwargs(info.api.speech_kwargs_json, "speech kwargs"), f"speech with model '{model}'")
