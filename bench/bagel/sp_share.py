@@ -107,9 +107,9 @@ def main() -> None:
     args = ap.parse_args()
     import multiprocessing as mp
 
-    from mstar.ports import free_port
+    from mstar.services.engines.tensor_parallel import Rendezvous
 
-    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    init = Rendezvous().init_method  # removed at exit
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, args, init)) for r in range(args.ranks)]
     for proc in procs:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mstar.ports import free_port
+from mstar.services.engines.tensor_parallel import Rendezvous
 
 PROMPTS = {f"g{i}": list(range(100 + 7 * i, 140 + 9 * i)) for i in range(4)}
 PARITY_PROMPT = list(range(1000, 1077))
@@ -86,7 +86,7 @@ def decode_speed(eng, batch: int, gen: torch.Generator) -> dict:
 
 
 def run(world: int, ckpt: str, out: Path, batches: list[int], timeout_s: float = 900) -> dict:
-    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    init = Rendezvous().init_method  # removed at exit
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, world, ckpt, init, str(out), batches)) for r in range(world)]
     for p in procs:

@@ -134,11 +134,10 @@ def _tp_rank(rank: int, size: int, init: str, ckpt: str, device: str, batches: l
 def thinker_tp(ckpt: Path, args, batches: list[int]) -> list[dict]:
     """The Thinker's decode pass at TP=``args.tp`` in spawned ranks: rows of eager_ms / graph_ms."""
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    from mstar.services.engines.tensor_parallel import Rendezvous
+
+    init = Rendezvous().init_method  # removed at exit
     out = Path(tempfile.mkdtemp(prefix="omni-tp-")) / "rows.json"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_tp_rank, args=(r, args.tp, init, str(ckpt), args.device, batches, args.context,

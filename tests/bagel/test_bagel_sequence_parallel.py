@@ -120,13 +120,12 @@ def test_three_ranks_give_the_one_rank_results(ckpt_dir, reference, pipeline, tm
     from test_bagel_reference import scenario_image
 
     from mstar.models.bagel.flow import FlowParams
-    from mstar.ports import free_port
 
     from helpers import run_ranks
 
     meta = reference[1]
     out = str(tmp_path / "rank0.pt")
-    run_ranks(_rank_main, (str(ckpt_dir), (meta["vae_fit"], meta["vit_fit"]), f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
+    run_ranks(_rank_main, (str(ckpt_dir), (meta["vae_fit"], meta["vit_fit"]), f"file://{tmp_path}/store",
                            out), 240, size=3)
     got = torch.load(out)
     p = FlowParams(48, 80, num_timesteps=6, cfg_text=4.0, cfg_img=2.0, interval=(0.0, 1.0))

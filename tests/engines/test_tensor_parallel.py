@@ -10,7 +10,6 @@ import pytest
 import torch
 from engine_helpers import PAGE_SIZE, tiny_hf_config
 
-from mstar.ports import free_port
 from mstar.services.engines import EngineConfig, KVCacheEngine, LlamaForCausalLM
 from mstar.services.engines.direct import ForwardItem
 from mstar.services.engines.sampling import SamplingParams
@@ -117,7 +116,7 @@ def _rank_main(rank: int, ckpt: str, init: str, out: str) -> None:
 def test_tp2_engine_matches_tp1(ckpt_name, request, tmp_path):
     ckpt = request.getfixturevalue(ckpt_name)
     out = tmp_path / "rank0.pt"
-    run_ranks(_rank_main, (str(ckpt), f"tcp://127.0.0.1:{free_port('127.0.0.1')}", str(out)), JOIN_TIMEOUT_S)
+    run_ranks(_rank_main, (str(ckpt), f"file://{tmp_path}/store", str(out)), JOIN_TIMEOUT_S)
     got = torch.load(out)
     want = _run(_engine(LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32)))
     assert got["tokens"] == want["tokens"]

@@ -22,7 +22,6 @@ from mstar.models.qwen3_omni.prompt import talker_prompt
 from mstar.models.qwen3_omni.sampling import GREEDY
 from mstar.models.qwen3_omni.thinker_engine import ThinkerEngine, ThinkerStart
 from mstar.models.qwen3_omni.thinker_tp import ThinkerShard
-from mstar.ports import free_port
 
 from helpers import run_ranks
 
@@ -104,7 +103,7 @@ def _rank_main(rank: int, ckpt: str, init: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def tp2(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("thinker_tp") / "rank0.pt"
-    run_ranks(_rank_main, (checkpoint, f"tcp://127.0.0.1:{free_port('127.0.0.1')}", str(out)), JOIN_TIMEOUT_S)
+    run_ranks(_rank_main, (checkpoint, f"file://{out.parent}/store", str(out)), JOIN_TIMEOUT_S)
     return torch.load(out)
 
 
