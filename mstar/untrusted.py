@@ -115,8 +115,8 @@ class _Bounded:
 
     def _nested(self, parse, *args) -> tuple[object, int]:
         self.depth += 1
-        if self.depth > MAX_JSON_DEPTH:
-            raise Untrusted(f"nested deeper than {MAX_JSON_DEPTH} levels", self.member)
+        if self.depth > MAX_JSON_DEPTH:  # unnamed, as when C's parser gives up on the nesting
+            raise Untrusted(f"nested deeper than {MAX_JSON_DEPTH} levels")
         try:
             return parse(*args)
         finally:
