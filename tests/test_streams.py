@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from mstar.models.chunker import Chunker
 from mstar.models.graph import FixedChunks, LeftContext, SlidingWindow
-from mstar.services.node_group.streams import Chunker
 
 
 def cut(policy, n, finish=True):

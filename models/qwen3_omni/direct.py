@@ -152,7 +152,7 @@ def generate(p: Parts, prompt: list[int], *, speaker: str = "ethan", max_tokens:
 def stream_decode(code2wav: Code2Wav, codes: torch.Tensor, policy) -> torch.Tensor:
     """codes [frames, groups] -> samples, chunked as the served stream cuts them (the runtime's own
     chunker under ``policy``), each chunk's new frames decoded after its context."""
-    from mstar.services.node_group.streams import Chunker
+    from mstar.models.chunker import Chunker
 
     chunker, out = Chunker(policy), []
     chunks = [c for row in codes for c in chunker.push(row[None])] + chunker.finish()

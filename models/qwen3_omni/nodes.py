@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from mstar.models.base import EngineNode, NodeCall, NodeContext, NodeSubmodule
+from mstar.models.chunker import Chunker
 from mstar.models.qwen3_omni.cache import NoCache
 from mstar.models.qwen3_omni.code2wav import ChunkGraphs
 from mstar.models.qwen3_omni.direct import load_parts
@@ -19,7 +20,6 @@ from mstar.models.qwen3_omni.predictor_loop import warm_predictor
 from mstar.models.qwen3_omni.sampling import Sampling
 from mstar.models.qwen3_omni.talker_engine import TalkerEngine, TalkerFeed, TalkerStart
 from mstar.models.qwen3_omni.thinker_engine import OmniOut, ThinkerEngine, ThinkerStart
-from mstar.services.node_group.streams import Chunker
 
 log = logging.getLogger(__name__)
 DONE, GOING = torch.tensor([1]), torch.tensor([0])

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar.models.base import ChunkInfo
+from mstar.models.chunker import Chunk, Chunker
 from mstar.models.plan import WalkPlan
-from mstar.services.node_group.streams import Chunk, Chunker
 
 #: a consumer whose loop ended takes no more: its producer is not held back any longer
 TAKES_ALL = 1 << 62

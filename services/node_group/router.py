@@ -17,11 +17,11 @@ import torch
 from mstar import metrics
 from mstar.config import Placement
 from mstar.models.base import Model, NodeCall, NodeSubmodule
+from mstar.models.chunker import Chunker
 from mstar.models.graph import INPUT, StreamingGraphEdge
 from mstar.models.plan import EdgeKind
 from mstar.services.node_group.fragment import TAKES_ALL, InstanceKey, WalkInstance
 from mstar.services.node_group.requests import CONDUCTOR, Advance, Effect, RequestCtx, RequestFailed, Send
-from mstar.services.node_group.streams import Chunker
 from mstar.v1 import node_group_pb2 as pb
 
 K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrapper's attribute lookup costs ~3 us

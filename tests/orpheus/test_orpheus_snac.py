@@ -184,9 +184,9 @@ def _stream_through_snac_node(node, codes, kwargs):
     """Codes through the served policy's chunker and the node, as the runtime feeds it: per-frame
     audio in emission order."""
     from mstar.models.base import NodeCall
+    from mstar.models.chunker import Chunker
     from mstar.models.graph import SlidingWindow
     from mstar.models.orpheus.tokens import window_plan
-    from mstar.services.node_group.streams import Chunker
 
     plan = window_plan(kwargs)
     chunker = Chunker(SlidingWindow(plan.window, plan.stride, first=plan.first))

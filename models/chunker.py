@@ -1,4 +1,9 @@
-"""Chunkers: cut a streaming edge into chunks under its chunk policy.
+"""Chunkers: cut a streaming edge into chunks under its chunk policy (``graph.py``'s
+FixedChunks, SlidingWindow, LeftContext).
+
+The node group's runtime cuts every served stream with it; model code that must cut a stream
+exactly as served (a reference decode, a test) uses the same class from here, the model-author
+package, and never the node group's internals.
 
 A stream is a sequence of rows (dim 0): each producer iteration appends its value's
 rows — usually one, possibly none (nothing worth streaming this step) or several.
