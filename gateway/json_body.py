@@ -10,6 +10,7 @@ a refusal is a 400 naming the field.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 
@@ -20,6 +21,7 @@ from mstar.gateway.json_fair import Turns
 from mstar.gateway.json_pool import JsonPool
 from mstar.limits import INLINE_JSON_BYTES
 
+log = logging.getLogger("mstar.gateway")
 JSON_POOL = web.AppKey("json_pool", JsonPool)
 TURNS = web.AppKey("json_turns", Turns)
 #: a caller waits for its turn at most this long when the app has no request timeout to go by
@@ -27,11 +29,22 @@ DEFAULT_WAIT_S = 300.0
 
 
 async def json_workers(app: web.Application):
-    """cleanup_ctx: the app's JSON workers (started on first use) and callers' turns."""
-    app[JSON_POOL] = JsonPool()
+    """cleanup_ctx: the app's JSON workers (started on first use, stopped when idle) and callers' turns."""
+    pool = app[JSON_POOL] = JsonPool()
     app[TURNS] = Turns()
+    sweeper = asyncio.create_task(_retire_idle(pool))
     yield
-    app[JSON_POOL].close()
+    sweeper.cancel()
+    await asyncio.to_thread(pool.close)
+
+
+async def _retire_idle(pool: JsonPool) -> None:
+    while True:
+        await asyncio.sleep(pool.idle_s / 4)
+        try:
+            await asyncio.to_thread(pool.retire_idle)
+        except Exception:  # the next round tries again
+            log.exception("stopping idle JSON workers failed")
 
 
 async def read_json_body(request: web.Request, max_bytes: int, shape: str, wait_s: float = DEFAULT_WAIT_S) -> object:

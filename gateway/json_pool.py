@@ -11,8 +11,9 @@ many parses run and the rest queue there.
 
 A worker hands its memory back to the OS after each parse (json_worker.py); one still above
 ``JSON_WORKER_MAX_RSS`` when next taken is replaced, and so is one that dies or passes
-``JSON_PARSE_TIMEOUT_S`` (that request: 503). Workers die with the gateway (PR_SET_PDEATHSIG via
-mstar.lifetime, and their socket closes).
+``JSON_PARSE_TIMEOUT_S`` (that request: 503); one idle for ``JSON_WORKER_IDLE_S`` is stopped. Workers die with the gateway (PR_SET_PDEATHSIG via
+mstar.lifetime, and their socket closes). The death signal follows the thread that started the
+worker: the pool's threads live as long as the pool.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from mstar import lifetime
 from mstar.gateway.errors import ApiError
-from mstar.limits import JSON_PARSE_TIMEOUT_S, JSON_WORKER_MAX_RSS, JSON_WORKERS
+from mstar.limits import JSON_PARSE_TIMEOUT_S, JSON_WORKER_IDLE_S, JSON_WORKER_MAX_RSS, JSON_WORKERS
 
 log = logging.getLogger("mstar.gateway")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -48,6 +50,8 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "mstar.gateway.json_worker", str(child.fileno())],
                                      pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
+        #: when it last finished a parse (time.monotonic())
+        self.idle_since = time.monotonic()
 
     @property
     def pid(self) -> int:
@@ -71,8 +75,8 @@ class _Worker:
 
 class JsonPool:
     def __init__(self, workers: int = JSON_WORKERS, max_rss: int = JSON_WORKER_MAX_RSS,
-                 timeout_s: float = JSON_PARSE_TIMEOUT_S):
-        self.max_rss, self.timeout_s = max_rss, timeout_s
+                 timeout_s: float = JSON_PARSE_TIMEOUT_S, idle_s: float = JSON_WORKER_IDLE_S):
+        self.max_rss, self.timeout_s, self.idle_s = max_rss, timeout_s, idle_s
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="gateway-json")
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
@@ -94,6 +98,7 @@ class JsonPool:
             worker.stop()
             raise ApiError(503, "the gateway's JSON worker failed on this body; the gateway log says why",
                            code="UNAVAILABLE") from None
+        worker.idle_since = time.monotonic()
         with self._lock:
             self._idle.append(worker)
         return result
@@ -108,6 +113,16 @@ class JsonPool:
                 return worker
             self.recycled += 1
             worker.stop()
+
+    def retire_idle(self) -> int:
+        """Stop the workers idle for ``idle_s`` or more (blocking: call it on a thread); how many."""
+        now = time.monotonic()
+        with self._lock:
+            old = [w for w in self._idle if now - w.idle_since >= self.idle_s]
+            self._idle = [w for w in self._idle if w not in old]
+        for w in old:
+            w.stop()
+        return len(old)
 
     def pids(self) -> list[int]:
         """The idle workers' (all of them, between requests)."""

@@ -69,6 +69,9 @@ MAX_WAITING_BODIES = 4
 #: a worker process whose memory after a parse stays above this is replaced (its RSS at rest is ~60 MiB;
 #: a 29 MiB chat with one image peaks near 210 MiB, handed back to the OS after the parse)
 JSON_WORKER_MAX_RSS = 384 << 20
+#: an idle worker (~60 MiB) is stopped after this long without a body, so that the gateway's memory
+#: goes back to where it was before a flood; the next large body waits for a new one's start (~0.5 s)
+JSON_WORKER_IDLE_S = 60.0
 #: longest a worker may take for one body (the bounds keep the worst under 1 s on the CI VM); past it the
 #: worker is killed and the request answered 503
 JSON_PARSE_TIMEOUT_S = 30.0

@@ -1,5 +1,5 @@
 """The JSON worker pool (json_pool.py) replaces a worker that keeps its memory, dies or hangs (that
-request: 503), and a worker's answers are json_bounds.parse's."""
+request: 503), stops an idle one, and a worker's answers are json_bounds.parse's."""
 
 import asyncio
 import json
@@ -47,3 +47,23 @@ def test_the_pool_replaces_a_worker_that_keeps_its_memory_dies_or_hangs():
     assert second == Refused("a", "must be a finite number, got nan")
     assert len(set(pids)) == 3 and recycled == 2
     assert getattr(hung, "status", None) == 503 and after == []
+
+
+def test_an_idle_worker_is_stopped_and_the_next_body_starts_another():
+    async def go():
+        pool = JsonPool(workers=1, idle_s=0.2)
+        try:
+            await pool.parse(b"[1]", "value")
+            [pid] = pool.pids()
+            kept = await asyncio.to_thread(pool.retire_idle)  # not idle long enough yet
+            await asyncio.sleep(0.3)
+            stopped = await asyncio.to_thread(pool.retire_idle)
+            gone = pool.pids()
+            again = await pool.parse(b"[2]", "value")
+            return pid, kept, stopped, gone, again, pool.pids()
+        finally:
+            await asyncio.to_thread(pool.close)
+
+    pid, kept, stopped, gone, again, now = run(go(), 30)
+    assert (kept, stopped, gone, again) == (0, 1, [], [2])
+    assert not os.path.exists(f"/proc/{pid}") and len(now) == 1 and now != [pid]
