@@ -1,5 +1,5 @@
 """The node group's router and schedule on their own: no links, no processes, no event loop.
-Frames in and node outputs become state changes plus effects (Send / Advance) in order."""
+Frames in and node outputs become state changes plus effects (Send / Advance / Handed) in order."""
 
 import grpc
 import pytest
@@ -8,7 +8,7 @@ import torch
 from mstar.config import Placement
 from mstar.models.base import NodeCall, NodeContext
 from mstar.models.registry import create_model
-from mstar.services.node_group.requests import CONDUCTOR, Advance, RequestCtx, RequestFailed, Send
+from mstar.services.node_group.requests import CONDUCTOR, Advance, Handed, RequestCtx, RequestFailed, Send
 from mstar.services.node_group.router import K, Router
 from mstar.services.node_group.schedule import Schedule
 
@@ -23,8 +23,10 @@ def setup(toy_config, group, name="default"):
     return model, router, Schedule(router, subs)
 
 
-def fire(model, router, schedule, req, out):
-    """Run every queued call through the toy's own nodes, routing their outputs."""
+def fire(model, router, schedule, req, out, stop=None, handed=None):
+    """Run every queued call through the toy's own nodes, routing their outputs; as the runtime
+    does, ask the node's ``check_stop`` (or ``stop``) only where ``Router.fired`` says the call
+    decides its loop. ``handed`` collects the local hand-overs (``Handed`` effects)."""
     fired = []
     while (nxt := schedule.next_batch(set())) is not None:
         (walk, node), batch = nxt
@@ -33,19 +35,25 @@ def fire(model, router, schedule, req, out):
             inst = req.instances[p.key]
             call = NodeCall(p.request_id, walk, p.iteration, p.inputs, req.kwargs, req.node_state.setdefault(node, {}),
                             inst.chunk)
-            router.after_fire(req, inst, node, call, sub.forward([call])[0], sub, out)
+            outputs = sub.forward([call])[0]
+            decides = router.fired(inst, node, call, outputs)
+            router.after_fire(req, inst, node, call, outputs, decides and (stop or sub.check_stop)(call, outputs), out)
             out.append(Advance(inst))
             fired.append((node, p.iteration))
-        drain(schedule, req, out)
+        drain(schedule, req, out, handed)
     return fired
 
 
-def drain(schedule, req, out):
-    """What the runtime's _apply does, without links: advance instances, keep the sends."""
+def drain(schedule, req, out, handed=None):
+    """What the runtime's _apply does, without links: advance instances, keep the sends (and
+    the local hand-overs in ``handed``)."""
     sends = []
     for e in out:
         if type(e) is Send:
             sends.append(e)
+        elif type(e) is Handed:
+            if handed is not None:
+                handed.append(e)
         else:
             schedule.advance(req, e.inst, out)
     out[:] = sends
@@ -108,9 +116,11 @@ def test_bad_frames_and_outputs_fail_the_request_with_a_status(toy_config):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "unknown walk 'nope'" in e.value.message
     inst = router.instance(req, ("generate", 0, -1))
     call = NodeCall("r", "generate", 0, {"text_state": torch.tensor(list(b"Uv"))}, req.kwargs, {})
-    sub = model.create_submodule(NodeContext("decoder", "cpu", None, {}))
     with pytest.raises(RequestFailed) as e:
-        router.after_fire(req, inst, "decoder", call, {"text": torch.tensor([1])}, sub, [])
+        router.fired(inst, "decoder", call, [{"text": torch.tensor([1])}])
+    assert e.value.code == grpc.StatusCode.INTERNAL and "returned list for a call" in e.value.message
+    with pytest.raises(RequestFailed) as e:
+        router.after_fire(req, inst, "decoder", call, {"text": torch.tensor([1])}, False, [])
     assert e.value.code == grpc.StatusCode.INTERNAL and "returned no output" in e.value.message
     with pytest.raises(RequestFailed, match="outside a loop"):
         router.loop_end(req, inst, "tally", 0, [])
@@ -118,3 +128,30 @@ def test_bad_frames_and_outputs_fail_the_request_with_a_status(toy_config):
     with pytest.raises(RequestFailed) as e:
         router.start_walk(req2, router.instance(req2, ("generate", 0, -1)), 0, {}, [])
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "text_state" in e.value.message
+
+
+def test_the_router_takes_the_stop_as_a_value_and_hands_over_locally_as_effects(toy_config):
+    """The router calls no model code and records no metrics: the loop stops where the caller's
+    answer says (here after iteration 1, though the toy's own check_stop would run all 5 bytes),
+    ``fired`` asks for that answer only for the loop's stop node, and each value the decoder
+    hands over here (to itself, to its colocated tally) comes back as a ``Handed`` effect with its bytes."""
+    model, router, schedule = setup(toy_config, "decoder")
+    req, out = RequestCtx("r", kwargs={"max_tokens": 8}), []
+    req.persisted[("decoder", "text_state")] = torch.tensor(list(b"Uvyyb"))
+    inst = router.instance(req, ("generate", 0, -1))
+    router.start_walk(req, inst, 0, {}, out)
+    drain(schedule, req, out)
+    asked, handed = [], []
+
+    def stop(call, outputs):
+        asked.append(call.iteration)
+        return call.iteration == 1
+
+    fired = fire(model, router, schedule, req, out, stop, handed)
+    assert fired == [("decoder", 0), ("decoder", 1), ("tally", -1)]
+    assert asked == [0, 1]  # the decoder's calls only: the tally ends no loop
+    emits = [s for s in out if s.frame.kind == K.FRAME_KIND_EMIT and s.frame.edge == "text"]
+    assert [int(s.tensors[0][1]) for s in emits] == list(b"Uv")
+    # the byte carried into iteration 1 (none into 2: the loop ended), then the loop's two
+    # generated bytes for the tally at its end (int64 each)
+    assert handed == [Handed("prev", 8), Handed("generated", 16)]

@@ -1,8 +1,9 @@
 """What a node group holds per request, and the effects its router asks the runtime to apply.
 
 The router (router.py) reads and writes this state and never touches a link: it appends
-``Send`` effects (frames for a peer group or the conductor) and ``Advance`` effects (a walk
-instance that may have nodes ready) to a list the runtime applies in order.
+``Send`` effects (frames for a peer group or the conductor), ``Advance`` effects (a walk
+instance that may have nodes ready) and ``Handed`` effects (a value handed over locally, for
+the edge metrics) to a list the runtime applies in order.
 """
 
 from __future__ import annotations
@@ -79,7 +80,16 @@ class Advance:
     inst: WalkInstance
 
 
-Effect = Send | Advance
+@dataclass(slots=True)
+class Handed:
+    """A value of edge ``edge`` handed over inside this group (colocated: the tensor itself):
+    the runtime counts it as the edge's local traffic."""
+
+    edge: str
+    nbytes: int
+
+
+Effect = Send | Advance | Handed
 
 
 class Requests(dict[str, RequestCtx]):

@@ -2,8 +2,11 @@
 
 Frames in (walk starts, edge values, loop ends) and node outputs become state changes of
 the request's walk instances plus effects appended to ``out``: ``Send`` (a frame for a peer
-group or the conductor) and ``Advance`` (an instance that may have nodes ready). The runtime
-applies them in order. Colocated destinations get the tensor object itself.
+group or the conductor), ``Advance`` (an instance that may have nodes ready) and ``Handed`` (a
+value handed over here: the edge's local traffic). The runtime applies them in order.
+Colocated destinations get the tensor object itself. The router calls no model code and
+records no metrics: a loop's stop decision comes in as a value (``fired`` says when the caller
+must ask the model's ``check_stop``), and what it would count leaves as effects.
 """
 
 from __future__ import annotations
@@ -14,14 +17,21 @@ from types import SimpleNamespace
 import grpc
 import torch
 
-from mstar import metrics
 from mstar.config import Placement
-from mstar.models.base import Model, NodeCall, NodeSubmodule
+from mstar.models.base import Model, NodeCall
 from mstar.models.chunker import Chunker
 from mstar.models.graph import INPUT, StreamingGraphEdge
 from mstar.models.plan import EdgeKind
 from mstar.services.node_group.fragment import TAKES_ALL, InstanceKey, WalkInstance
-from mstar.services.node_group.requests import CONDUCTOR, Advance, Effect, RequestCtx, RequestFailed, Send
+from mstar.services.node_group.requests import (
+    CONDUCTOR,
+    Advance,
+    Effect,
+    Handed,
+    RequestCtx,
+    RequestFailed,
+    Send,
+)
 from mstar.v1 import node_group_pb2 as pb
 
 K = SimpleNamespace(**dict(pb.FrameKind.items()))  # plain ints: the enum wrapper's attribute lookup costs ~3 us
@@ -31,7 +41,6 @@ Out = list[Effect]
 class Router:
     def __init__(self, group: str, model: Model, placement: Placement):
         self.group, self.model, self.placement = group, model, placement
-        self._local_edges = metrics.EdgeMetrics(group, group)
         host = placement.host
         self.local: dict[str, tuple[str, ...]] = {}
         self.owner_loops: dict[str, frozenset[str]] = {}
@@ -167,26 +176,34 @@ class Router:
                 req.persist_sent[target] = req.persist_sent.get(target, 0) + 1
             if target == self.group:
                 if value is not None:
-                    self._local_edges.sent(name, "local", value.nbytes, 0.0)
+                    out.append(Handed(name, value.nbytes))
                 self.accept(req, inst, dst, name, iteration, value, done, out)
             else:
                 frame = self._frame(inst, req, K.FRAME_KIND_DATA, node=dst, edge=name, iteration=iteration, done=done)
                 out.append(Send(target, frame, [(name, value)] if value is not None else []))
 
-    def after_fire(self, req: RequestCtx, inst: WalkInstance, node: str, call: NodeCall, outputs: dict,
-                   sub: NodeSubmodule, out: Out) -> None:
-        """``node`` fired for ``call`` and returned ``outputs``: decide its loop, route every value."""
-        plan, it = inst.plan, call.iteration
+    def fired(self, inst: WalkInstance, node: str, call: NodeCall, outputs: dict) -> bool:
+        """``node`` fired for ``call`` and returned ``outputs``: the call is done. True when this
+        call decides whether its loop stops here: the caller asks the model (``check_stop``) and
+        hands the answer to ``after_fire``."""
         if not isinstance(outputs, dict):
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"node group '{self.group}': node '{node}' returned "
                                 f"{type(outputs).__name__} for a call; a call's outputs are a dict of name -> torch.Tensor")
         inst.busy.discard(node)
         inst.fired[node] = inst.fired.get(node, 0) + 1
-        inst.consume(node, it)
-        node_plan = plan.nodes[node]
+        inst.consume(node, call.iteration)
+        lp = inst.plan.nodes[node].loop
+        return lp is not None and lp.stop_node == node and lp.name in inst.owner_loops
+
+    def after_fire(self, req: RequestCtx, inst: WalkInstance, node: str, call: NodeCall, outputs: dict,
+                   stop: bool, out: Out) -> None:
+        """After ``fired``: decide the loop (``stop``: the model's answer, where ``fired`` asked for
+        it), route every value."""
+        it = call.iteration
+        node_plan = inst.plan.nodes[node]
         lp = node_plan.loop
         if lp is not None and lp.stop_node == node and lp.name in inst.owner_loops:
-            if sub.check_stop(call, outputs) or it + 1 >= lp.max_iters:
+            if stop or it + 1 >= lp.max_iters:
                 inst.end_loop(lp.name, it)
                 for peer in self.loop_peers[(inst.walk, lp.name)]:
                     out.append(Send(peer, self._frame(inst, req, K.FRAME_KIND_LOOP_END, node=node, iteration=it), []))

@@ -2,7 +2,8 @@
 
 Its loop reads like the design: schedule (``Schedule.next_calls``) -> execute (a stateless
 node's forward, or an engine node's ``EngineDriver``) -> update (``Router.after_fire``
-returns effects: frames to send, instances to advance; ``_apply`` carries them out).
+returns effects: frames to send, instances to advance, local hand-overs to count; ``_apply``
+carries them out). Where a frame goes is ``Routes``' (routes.py).
 """
 
 from __future__ import annotations
@@ -16,29 +17,29 @@ from types import SimpleNamespace
 import grpc
 import torch
 
-from mstar import metrics, nvtx
+from mstar import metrics
 from mstar import tls as mtls
 from mstar.config import Placement
 from mstar.env import settings
 from mstar.models.base import Model
 from mstar.services.engines.tensor_parallel import TPSpec
-from mstar.services.links import Links
 from mstar.services.node_group.engine_driver import Ready
 from mstar.services.node_group.nodes import Nodes
 from mstar.services.node_group.requests import (
     CONDUCTOR,
     Advance,
     Effect,
+    Handed,
     RequestCtx,
     RequestFailed,
     Requests,
     Send,
 )
 from mstar.services.node_group.router import Router
+from mstar.services.node_group.routes import Routes
 from mstar.services.node_group.schedule import Schedule
 from mstar.services.transport import Protocol
 from mstar.services.transport.location import local_location
-from mstar.v1 import conductor_pb2, conductor_pb2_grpc
 from mstar.v1 import node_group_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -58,14 +59,8 @@ class NodeGroupRuntime:
         self.submodules, self.engines, self.drivers = self.nodes.submodules, self.nodes.engines, self.nodes.drivers
         self.location = local_location(group, device)
         self.tls = tls
-        self._conductor_channel: grpc.aio.Channel | None = None  # CheckRoute calls
-        self.links = Links(group, protocol, self._on_link_down, tls=tls, check_route=self._check_route)
-        for peer, address in peers.items():  # defaults for frames that carry no route
-            if isinstance(address, list):
-                address = address[0] if len(address) == 1 else None
-            if peer != group and address:
-                self.links.add(peer, address)
-        self.links.add(CONDUCTOR, conductor, kind="report")
+        self.routes = Routes(group, placement, peers, conductor, protocol, self._on_link_down, tls)
+        self.links = self.routes.links
         self.schedule = Schedule(self.router, self.submodules)
         self.requests = Requests(group)
         self.released = self.requests.released
@@ -75,6 +70,7 @@ class NodeGroupRuntime:
         self.steps = 0  # batches executed
         self.calls = 0  # node calls executed (calls / steps = mean batch size)
         self.metrics = metrics.GroupMetrics(group, lambda: len(self.schedule), lambda: len(self.requests))
+        self.local_edges = metrics.EdgeMetrics(group, group)  # values handed over here (``Handed``)
 
     # -- frames in ---------------------------------------------------------------------------
     def on_batch(self, batch: pb.FrameBatch, decoded: list) -> None:
@@ -130,22 +126,11 @@ class NodeGroupRuntime:
         """Carry out the router's effects in order (advancing may add more: they run too)."""
         for effect in out:
             if type(effect) is Send:
-                if nvtx.ACTIVE and effect.tensors:
-                    with nvtx.span(f"send {effect.frame.edge} -> {effect.target}"):
-                        self._link(req, effect.target).send(effect.frame, effect.tensors)
-                else:
-                    self._link(req, effect.target).send(effect.frame, effect.tensors)
+                self.routes.send(req.routes, effect)
+            elif type(effect) is Handed:
+                self.local_edges.sent(effect.edge, "local", effect.nbytes, 0.0)
             elif self.schedule.advance(req, effect.inst, out):
                 self._wake.set()
-
-    def _link(self, req: RequestCtx, target: str):
-        """The link to the conductor, or to the replica of group ``target`` the request is pinned to."""
-        if target == CONDUCTOR:
-            return self.links[CONDUCTOR]
-        try:
-            return self.links.route(target, req.routes)
-        except KeyError as e:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"node group '{self.group}': {e.args[0]}") from None
 
     # -- the loop: schedule -> execute -> update ---------------------------------------------
     async def run(self) -> None:
@@ -220,8 +205,9 @@ class NodeGroupRuntime:
             try:
                 if whole:
                     self.router.after_loop(req, inst, node, outputs, out)
-                else:
-                    self.router.after_fire(req, inst, node, call, outputs, sub, out)
+                else:  # the loop's stop, where this call decides it, is the model's answer
+                    stop = self.router.fired(inst, node, call, outputs) and bool(sub.check_stop(call, outputs))
+                    self.router.after_fire(req, inst, node, call, outputs, stop, out)
                 out.append(Advance(inst))
                 self._apply(req, out)
             except RequestFailed as e:
@@ -256,25 +242,6 @@ class NodeGroupRuntime:
         for rid in request_ids:
             self.fail(rid, grpc.StatusCode.UNAVAILABLE, f"node group '{self.group}': peer node group {reason}")
 
-    async def _check_route(self, group: str, address: str) -> str | None:
-        """Routes are untrusted input: a replica that only a frame's routes name gets this
-        request's tensors only once the conductor confirms it announced it (WalkEvents.CheckRoute)."""
-        if group not in self.placement.config.group_names:
-            return f"the routes name '{group}', which is not a node group of this placement"
-        if self._conductor_channel is None:
-            self._conductor_channel = mtls.aio_channel(self.links[CONDUCTOR].address, self.tls)
-        try:
-            resp = await conductor_pb2_grpc.WalkEventsStub(self._conductor_channel).CheckRoute(
-                conductor_pb2.CheckRouteRequest(group=group, address=address), timeout=5.0)
-        except grpc.aio.AioRpcError as e:
-            return f"the conductor could not confirm this route: {e.code().name}: {e.details()}"
-        if resp.announced:
-            return None
-        return (f"the conductor never announced {address} as a replica of node group '{group}'; a frame's routes may "
-                f"only name replicas the conductor announced")
-
     async def close(self) -> None:
         await self.nodes.close()
-        await self.links.close()
-        if self._conductor_channel is not None:
-            await self._conductor_channel.close()
+        await self.routes.close()
