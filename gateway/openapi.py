@@ -52,10 +52,10 @@ _ERRORS = {
     "413": "body larger than the gateway's limit",
     "406": "Accept: application/octet-stream for an output that came in chunks of different shapes",
     "415": "unsupported Content-Type",
-    "429": "admission limit reached",
+    "429": "admission limit reached, or the caller's large JSON bodies already queued (Retry-After)",
     "499": "cancelled before it finished",
     "500": "internal error",
-    "503": "the conductor or a service behind it is unavailable",
+    "503": "the conductor or a service behind it is unavailable, or the gateway's JSON worker failed",
     "504": "the request ran past its timeout",
 }
 
