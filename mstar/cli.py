@@ -49,7 +49,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "output is noise)")
     p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--max-inflight", type=int, default=256, help="conductor admission limit")
+    p.add_argument("--max-inflight", type=int, default=1024, help="conductor admission limit (requests in flight)")
     p.add_argument("--request-timeout", "--timeout", dest="request_timeout", type=float, default=300.0,
                    help="default per-request timeout in seconds (default 300)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="SECONDS",

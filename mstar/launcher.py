@@ -54,7 +54,7 @@ class LaunchOptions:
     cache_dir: str | None = None
     protocol: str = "AUTO"
     log_level: str = "INFO"
-    max_inflight: int = 256
+    max_inflight: int = 1024  # the conductor's admission limit: a GPU serves hundreds of streams at once
     request_timeout_s: float = 300.0
     startup_timeout_s: float = 900.0  # per service: checkpoint load, compile and CUDA-graph capture included
     envoy: bool = False  # also run the xDS control plane and an Envoy front proxy

@@ -1,5 +1,7 @@
 """Orpheus TTS on one GPU: M* (the real mesh: node group + conductor processes, gRPC
 streaming) against transformers `generate` (static cache) + SNAC decode, in one run.
+``--served``: M* as shipped instead, `mstar serve orpheus --cache-dir DIR` with no other flag,
+its streams through the REST gateway (`/v1/audio/speech`, pcm, all opened at once).
 
 Full-size architectures with random bf16 weights (Llama-3.2-3B shape, Orpheus vocab
 156940; SNAC 24 kHz). Both sides sample with the same knobs and the same SNAC
@@ -78,6 +80,35 @@ PLACEMENTS = {"one": [{"name": "orpheus", "node_names": ["llm", "snac_decoder"],
                       {"name": "codec", "node_names": ["snac_decoder"], "ranks": [0]}]}
 
 
+class Served:
+    """`mstar serve orpheus --cache-dir ROOT` as a user starts it (ports picked free): its REST URL
+    and its node groups' metrics URLs, read off its ready lines."""
+
+    def __init__(self, root: Path, timeout_s: float = 600):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "mstar.cli", "serve", "orpheus", "--cache-dir", str(root),
+                                      "--port", "0", "--grpc-port", "0", "--log-level", "WARNING"],
+                                     stdout=subprocess.PIPE, text=True)
+        deadline, self.url = time.monotonic() + timeout_s, None
+        for line in self.proc.stdout:
+            if line.startswith("M* ready:"):
+                self.url = line.split(" at ", 1)[1].split()[0]
+            elif line.startswith("M* metrics:"):
+                urls = json.loads(line.partition(":")[2])
+                self.groups = {k: v for k, v in urls.items() if k not in ("conductor", "gateway")}
+                return
+            if time.monotonic() > deadline:
+                break
+        self.stop()
+        raise RuntimeError("mstar serve orpheus did not print its ready lines")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
 def start_mesh(root: Path, placement: str, model_kwargs: dict | None = None) -> Mesh:
     cfg_path = root / f"orpheus-{placement}.yaml"
     cfg_path.write_text(json.dumps({"model": "orpheus", "max_seq_len": 4096,
@@ -116,7 +147,26 @@ async def stream(stub, i: int, max_tokens: int) -> dict:
                 samples += len(c.data) // 2
         if r.HasField("final"):
             finish = r.final.finish_reason
-    total = time.perf_counter() - t0
+    return summary(arrivals, samples, time.perf_counter() - t0, finish, max_tokens)
+
+
+async def rest_stream(session, url: str, i: int, max_tokens: int) -> dict:
+    """One stream through the gateway: /v1/audio/speech, raw PCM16 bytes as they are made."""
+    body = {"model": "orpheus", "input": TEXT, "voice": KNOBS["voice"], "response_format": "pcm", "seed": i,
+            "temperature": KNOBS["temperature"], "top_p": KNOBS["top_p"], "max_tokens": max_tokens,
+            "model_kwargs": {"repetition_penalty": KNOBS["repetition_penalty"]}}
+    t0 = time.perf_counter()
+    arrivals, size = [], 0
+    async with session.post(f"{url}/v1/audio/speech", json=body) as r:
+        assert r.status == 200, (r.status, await r.text())
+        async for data in r.content.iter_any():
+            arrivals.append((time.perf_counter() - t0, len(data) / 2 / 24000))
+            size += len(data)
+    # the gateway's stream carries no finish reason: a stream short of max_tokens' audio stopped early
+    return summary(arrivals, size // 2, time.perf_counter() - t0, "", max_tokens)
+
+
+def summary(arrivals: list[tuple[float, float]], samples: int, total: float, finish: str, max_tokens: int) -> dict:
     audio_s = samples / 24000
     return {"ttfa_s": arrivals[0][0] if arrivals else None, "total_s": total, "audio_s": audio_s,
             "rtf": total / audio_s if audio_s else None, "buffer_needed_s": buffer_needed_s(arrivals),
@@ -124,18 +174,16 @@ async def stream(stub, i: int, max_tokens: int) -> dict:
             "full_length": samples >= max_tokens // TOKENS_PER_FRAME * 2048}
 
 
-def group_counters(mesh: Mesh) -> dict[str, float]:
-    """Node-group step counters, summed over the mesh's node-group services: per node the calls
-    and batches (``batch_size`` sum / count) and the step seconds, per group the busy seconds."""
+def group_counters(urls: dict[str, str]) -> dict[str, float]:
+    """Node-group step counters, summed over the node-group services (``urls``: name -> metrics
+    URL): per node the calls and batches (``batch_size`` sum / count) and the step seconds, per
+    group the busy seconds."""
     from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
-    names = {s.name for s in mesh.services if s.kind == "node_group"}
-    for name, url in mesh.metrics_urls().items():
-        if name not in names:
-            continue
+    for url in urls.values():
         with urlopen(url, timeout=10) as r:
             text = r.read().decode()
         for fam in text_string_to_metric_families(text):
@@ -166,11 +214,19 @@ def level_counters(before: dict[str, float], after: dict[str, float], wall_s: fl
 
 
 async def mstar_level(address: str, streams: int, max_tokens: int) -> dict:
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-        stub = conductor_pb2_grpc.ConductorStub(ch)
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(stream(stub, i, max_tokens) for i in range(streams)))
-        wall = time.perf_counter() - t0
+    """``streams`` at once over gRPC (``address``: host:port) or REST (``address``: http://...)."""
+    t0 = time.perf_counter()
+    if address.startswith("http"):
+        import aiohttp
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            res = await asyncio.gather(*(rest_stream(session, address, i, max_tokens) for i in range(streams)))
+    else:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+            stub = conductor_pb2_grpc.ConductorStub(ch)
+            res = await asyncio.gather(*(stream(stub, i, max_tokens) for i in range(streams)))
+    wall = time.perf_counter() - t0
     ttfa = sorted(r["ttfa_s"] for r in res)
     rtf = sorted(r["rtf"] for r in res)
     audio = sum(r["audio_s"] for r in res)
@@ -254,6 +310,8 @@ def main() -> None:
     ap.add_argument("--root", help="checkpoint folder to reuse (written there if missing)")
     ap.add_argument("--placement", choices=PLACEMENTS, default="split")
     ap.add_argument("--model-kwargs", default="{}", help="JSON merged into the config's model_kwargs (e.g. snac_dtype)")
+    ap.add_argument("--served", action="store_true", help="`mstar serve orpheus` as shipped, streams over REST "
+                                                           "(--placement and --model-kwargs do not apply)")
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "knobs": KNOBS,
               "max_tokens": args.max_tokens, "real_time_tokens_per_s": REAL_TIME_TOKENS_PER_S, "mstar": [], "baseline": []}
@@ -262,18 +320,28 @@ def main() -> None:
     if not (root / "hubertsiuzdak").exists():
         write_checkpoints(root, args.tiny)
     result["checkpoint_write_s"] = time.perf_counter() - t
-    result["placement"], result["model_kwargs"] = args.placement, json.loads(args.model_kwargs)
+    if args.served:
+        result["placement"], result["model_kwargs"] = "mstar serve orpheus (models/orpheus/configs/default.yaml)", {}
+    else:
+        result["placement"], result["model_kwargs"] = args.placement, json.loads(args.model_kwargs)
     t = time.perf_counter()
-    mesh = start_mesh(root, args.placement, result["model_kwargs"])
+    if args.served:
+        mesh = Served(root)
+        address, groups = mesh.url, mesh.groups
+    else:
+        mesh = start_mesh(root, args.placement, result["model_kwargs"])
+        address = mesh.conductor_address
+        groups = {n: u for n, u in mesh.metrics_urls().items() if n in {s.name for s in mesh.services
+                                                                          if s.kind == "node_group"}}
     result["mesh_start_s"] = time.perf_counter() - t
     try:
         levels = [int(x) for x in args.streams.split(",")]
         for n in levels:  # warm-up at every level's concurrency: one-off costs of a new batch size stay out
-            asyncio.run(mstar_level(mesh.conductor_address, n, 32))
+            asyncio.run(mstar_level(address, n, 32))
         for n in levels:
-            before = group_counters(mesh)
-            r = asyncio.run(mstar_level(mesh.conductor_address, n, args.max_tokens))
-            r["node_groups"] = level_counters(before, group_counters(mesh), r["wall_s"])
+            before = group_counters(groups)
+            r = asyncio.run(mstar_level(address, n, args.max_tokens))
+            r["node_groups"] = level_counters(before, group_counters(groups), r["wall_s"])
             print(json.dumps(r), flush=True)
             result["mstar"].append(r)
     finally:

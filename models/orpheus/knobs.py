@@ -50,7 +50,8 @@ class OrpheusConfig(Knobs):
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache size; None: gpu_memory_fraction on CUDA, "
                                                                "256 MiB on a CPU")
     gpu_memory_fraction: float = Field(0.85, gt=0, le=1, description="of free GPU memory, for the KV cache")
-    max_num_seqs: int = Field(128, ge=1, description="sequences decoded together")
+    max_num_seqs: int | None = Field(None, ge=1, description="sequences decoded together; None: 512 on CUDA, "
+                                                               "128 on a CPU")
     max_num_batched_tokens: int = Field(4096, ge=1, description="tokens in one engine step (prefill chunks)")
     cuda_graphs: bool = Field(True, description="decode steps replay CUDA graphs")
     graph_attention: Literal["auto", "flashinfer", "triton"] = Field("auto", description="decode attention in graphs")

@@ -57,6 +57,11 @@ CODE_CYCLE = tuple(((AUDIO_TOKEN_OFFSET + p * CODES_PER_POSITION, AUDIO_TOKEN_OF
                     (END_OF_SPEECH, END_OF_SPEECH + 1)) for p in range(TOKENS_PER_FRAME))
 
 
+#: sequences decoded together unless model_kwargs say otherwise: a GPU's engine takes every stream
+#: the conductor admits at once (its decode graphs go up to it); a CPU keeps 128
+CUDA_MAX_NUM_SEQS, CPU_MAX_NUM_SEQS = 512, 128
+
+
 def union_ranges(cycle) -> tuple[tuple[int, int], ...]:
     """Every id some position of the cycle allows, as ascending disjoint ranges."""
     out: list[list[int]] = []
@@ -79,7 +84,7 @@ def engine_config(ctx: NodeContext, max_seq_len: int | None = None) -> EngineCon
         page_size=kw.page_size,
         kv_cache_bytes=kw.kv_cache_bytes if kw.kv_cache_bytes is not None else (256 << 20 if cpu else None),
         gpu_memory_fraction=kw.gpu_memory_fraction,
-        max_num_seqs=kw.max_num_seqs,
+        max_num_seqs=kw.max_num_seqs or (CPU_MAX_NUM_SEQS if cpu else CUDA_MAX_NUM_SEQS),
         max_num_batched_tokens=kw.max_num_batched_tokens,
         max_seq_len=max_seq_len,
         cuda_graphs=kw.cuda_graphs,

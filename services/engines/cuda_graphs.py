@@ -23,7 +23,8 @@ from mstar.services.engines.pdl import PDL_MODES, pdl_unavailable_reason
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # those <= max_num_seqs are captured
+#: decode-graph buckets: the engine captures those below its max_num_seqs and max_num_seqs itself
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 
 
 #: Decode attention inside the graphs (``EngineConfig.graph_attention``): 'auto' runs the fused

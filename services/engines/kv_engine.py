@@ -187,7 +187,8 @@ class KVCacheEngine:
         if config.cuda_graphs and why_no_graphs:
             log.info("CUDA graphs off: %s", why_no_graphs)
         elif config.cuda_graphs:
-            sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes})  # none above the cap
+            # every batch the engine may run replays a graph: the buckets up to the cap, and the cap
+            sizes = sorted({min(b, config.max_num_seqs) for b in config.graph_batch_sizes} | {config.max_num_seqs})
             graphs = DecodeGraphs(model, self.cache, sizes, ops=self.ops, attention=config.graph_attention,
                                   min_split_tokens=config.attention_min_split_tokens, fused_norms=config.fused_norms,
                                   down_gemm=config.down_gemm, pdl=config.pdl, proj_gemm=config.proj_gemm)
