@@ -23,13 +23,13 @@ import grpc
 from mstar import auth, env, metrics, nvtx, torch_profile, untrusted
 from mstar import tls as mtls
 from mstar.conductor import act
-from mstar.conductor.convert import fill_chunk, invalid_argument_status, prompt_from_request
+from mstar.conductor.convert import invalid_argument_status, prompt_from_request
 from mstar.conductor.replicas import NoReplica, Replicas, parse_groups
-from mstar.conductor.requests import ActiveRequest, Failure, Finished, RequestTable
+from mstar.conductor.requests import ActiveRequest, RequestTable
+from mstar.conductor.run import RequestRun
 from mstar.config import Placement, load_config
 from mstar.limits import MAX_PUBLIC_MESSAGE_BYTES
 from mstar.models.base import InvalidArgument, Prompt, RequestState
-from mstar.models.graph import Modality
 from mstar.models.registry import create_model
 from mstar.services.grpc_checked import add_checked
 from mstar.services.grpc_server import ServerBase, run_service
@@ -39,7 +39,6 @@ from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
 
 log = logging.getLogger("mstar.conductor")
-_MODALITY_NAMES = {m: m.name.lower() for m in Modality}  # metric labels (Enum.name is a slow property)
 PROMPT_WORKERS = 4  # threads reading (decoding) requests of a heavy_prompt model, or large ones, at once
 #: a request of more bytes is read on a worker thread whatever the model (tokenising a long text)
 INLINE_READ_BYTES = 4096
@@ -124,22 +123,43 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     async def _run(self, kid: str, model: str, make_prompt: Callable[[], Prompt], client_id: str, timeout_s: float,
                    context: grpc.aio.ServicerContext, field_name: Callable[[str], str] = str, size: int = 0):
-        """One request of the authenticated key ``kid`` from its fields to its last message: read
-        (``make_prompt``, the model's validate_kwargs and process_prompt), admission, the walks,
-        timeout, cancellation, metrics. Yields GenerateResponse messages; fails by aborting
-        ``context``. ``field_name`` renames the field of an INVALID_ARGUMENT into the caller's
-        request (Act's names)."""
+        """One request of the authenticated key ``kid`` from its fields to its last message: the
+        model asked for, the request read (``make_prompt``, the model's validate_kwargs and
+        process_prompt), admission, its replicas pinned; then its ``RequestRun`` (run.py): the
+        walks, timeout, cancellation, metrics, release. Yields GenerateResponse messages; fails by
+        aborting ``context``. ``field_name`` renames the field of an INVALID_ARGUMENT into the
+        caller's request (Act's names)."""
         t0 = time.perf_counter()
+        await self._check_model(model, context)
+        prompt, state = await self._read_request(make_prompt, client_id, timeout_s, size, context, field_name)
+        rid = client_id or uuid.uuid4().hex
+        await self._admit(kid, rid, context)
+        process_s = time.perf_counter() - t0
+        # the mesh sees a fresh id per request: node groups remember ended ids to drop late
+        # frames, so a client may reuse its own id once the earlier request has ended
+        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0)
+        await self._pin(kid, ar, context)
+        run = RequestRun(self.table, self.metrics, self.by_client_id, self.key_limits, kid, rid, ar,
+                         timeout_s or self.default_timeout_s, process_s)
+        async for resp in run.responses(context):
+            yield resp
+
+    async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
         if model != self.model.name:
             self.metrics.rejected("NOT_FOUND")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model: unknown model '{model}'. Served: {self.model.name}")
+
+    async def _read_request(self, make_prompt: Callable[[], Prompt], client_id: str, timeout_s: float, size: int,
+                            context: grpc.aio.ServicerContext,
+                            field_name: Callable[[str], str]) -> tuple[Prompt, RequestState]:
+        """The request's own fields checked, then read by the model (on a worker thread where
+        ``_reading_pool`` says); INVALID_ARGUMENT names the field, a bug in the model is INTERNAL."""
         try:
             self._check_ids(client_id, timeout_s)
             pool = self._reading_pool(size)
             if pool is None:
-                prompt, state = self._read(make_prompt)
-            else:
-                prompt, state = await asyncio.get_running_loop().run_in_executor(pool, self._read, make_prompt)
+                return self._read(make_prompt)
+            return await asyncio.get_running_loop().run_in_executor(pool, self._read, make_prompt)
         except InvalidArgument as e:
             self.metrics.rejected("INVALID_ARGUMENT")
             await context.abort_with_status(invalid_argument_status(field_name(e.field), e.description))
@@ -147,11 +167,15 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             log.exception("model '%s' failed reading a request", self.model.name)
             self.metrics.rejected("INTERNAL")
             await context.abort(grpc.StatusCode.INTERNAL, self.table.model_bug(e))
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def _admit(self, kid: str, rid: str, context: grpc.aio.ServicerContext) -> None:
+        """Admission: the conductor's in-flight limit, the id free for this key, the key's own limit
+        (whose slot is then taken: the request's release gives it back)."""
         if len(self.table.active) >= self.max_inflight:
             self.metrics.rejected("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"conductor is at its admission limit of {self.max_inflight} in-flight requests; retry later")
-        rid = client_id or uuid.uuid4().hex
         if (kid, rid) in self.by_client_id:
             self.metrics.rejected("ALREADY_EXISTS")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: '{rid}' is already in flight")
@@ -159,10 +183,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.metrics.rejected("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"API key {kid} is at its limit of "
                                 f"{self.key_limits.limit} in-flight requests; retry later")
-        process_s = time.perf_counter() - t0
-        # the mesh sees a fresh id per request: node groups remember ended ids to drop late
-        # frames, so a client may reuse its own id once the earlier request has ended
-        ar = ActiveRequest(uuid.uuid4().hex, state, json.dumps(prompt.kwargs), t0)
+
+    async def _pin(self, kid: str, ar: ActiveRequest, context: grpc.aio.ServicerContext) -> None:
+        """The request's replica of every node group; UNAVAILABLE (the key's slot given back) where
+        a group has none."""
         try:
             self.table.pin(ar)
         except NoReplica as e:
@@ -170,72 +194,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 self.key_limits.release(kid)
             self.metrics.rejected("UNAVAILABLE")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        timeout = timeout_s or self.default_timeout_s
-        counts: dict[str, int] = {}
-        clock = metrics.OutputClock(t0)
-        outcome: str | None = None  # a Failure's code, OK, or (None at the end) CANCELLED: the client went away
-        deadline: asyncio.TimerHandle | None = None
-        self.table.active[ar.request_id] = ar
-        self.by_client_id[kid, rid] = ar
-        self.metrics.started.inc()
-        try:  # from here on every path releases the request (finally)
-            # one timer for the whole request (not a wait_for task per event): at the deadline the
-            # request fails, which queues the Failure event the loop below ends on
-            deadline = asyncio.get_running_loop().call_later(
-                max(timeout - (time.perf_counter() - t0), 0), self.table.fail, ar, grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"request exceeded its timeout of {timeout:g} s")
-            try:
-                with nvtx.span("conductor: first walk"):
-                    self.table.start_walk(ar, self.model.next_walk(state, None))
-            except Exception as e:  # a bug in the state machine: fails this request like any later one
-                self.table.model_failed(ar, e)
-            while True:
-                event = await ar.events.get()
-                # everything that queued up while the last message was in flight goes in this one
-                resp, end = cpb.GenerateResponse(request_id=rid), None
-                chunks = resp.chunks
-                while True:
-                    if isinstance(event, Failure | Finished):
-                        end = event
-                        break
-                    index = counts.get(event.name, 0)
-                    counts[event.name] = index + 1
-                    now = time.perf_counter()
-                    clock.tick(self.metrics, _MODALITY_NAMES[event.modality], now)
-                    fill_chunk(chunks.add(), event, index, now - t0)
-                    if ar.events.empty():
-                        break
-                    event = ar.events.get_nowait()
-                if isinstance(end, Failure):
-                    outcome = end.code.name
-                    if chunks:
-                        yield resp
-                    await context.abort(end.code, end.message)
-                if isinstance(end, Finished):
-                    break
-                yield resp
-            usage = cpb.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
-                              walks=ar.walks_run, audio_seconds=ar.audio_seconds)
-            total_s = time.perf_counter() - t0
-            timings = cpb.Timings(first_output_s=ar.first_output_s, total_s=total_s, process_prompt_s=process_s)
-            outcome = "OK"
-            self.metrics.finished(state.finish_reason, total_s, ar.audio_seconds)
-            resp.final.CopyFrom(cpb.FinalEvent(usage=usage, timings=timings, finish_reason=state.finish_reason))
-            yield resp
-        except Exception:
-            if outcome is None:  # not a Failure event (whose abort raises): a bug here or in the model's state machine
-                outcome = "UNKNOWN"
-            raise
-        finally:  # success, failure, timeout, cancel or client gone: everything is released
-            if deadline is not None:
-                deadline.cancel()
-            if outcome != "OK":  # None: cancelled by the client going away (asyncio.CancelledError)
-                self.metrics.failed(outcome or "CANCELLED", ar.audio_seconds)
-            self.table.release(ar)
-            self.table.active.pop(ar.request_id, None)
-            self.by_client_id.pop((kid, rid), None)
-            if kid:
-                self.key_limits.release(kid)
 
     async def Cancel(self, request: cpb.CancelRequest, context):
         kid = await self._caller(context)
