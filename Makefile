@@ -1,13 +1,14 @@
 PYTHON ?= python3
 PROTO_SRC := $(wildcard proto/mstar/v1/*.proto)
 
-.PHONY: setup torch-gpu system-packages proto check-proto test lint serve bench
+.PHONY: setup torch-cpu torch-gpu system-packages mooncake proto check-proto test lint serve bench
 SYSTEM_PACKAGES ?= yes
 
 # Versions: torch on CPU hosts; on GPU hosts a CUDA torch already installed is kept, else the
 # pinned CUDA build below is installed; FlashInfer and the two wheels it imports, as measured with
 # torch 2.11+cu130 on H100 (equal to pyproject.toml's `gpu` extra: tests/setup/test_versions.py).
 TORCH_CPU := torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CUDA := torch==2.11.0
 TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu130
 FLASHINFER := flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0
@@ -15,6 +16,11 @@ FLASHINFER := flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 cuda-t
 FLASHINFER_RUNTIME := ninja packaging requests tqdm nvidia-ml-py einops
 # the package's extras: every model family and the dev tools (EXTRAS=orpheus: serve Orpheus, no test tools)
 EXTRAS ?= dev,all
+# triton on a CPU host serves only the Triton kernels' tests in its interpreter, and its wheel is 286 MB
+# (~1 GB installed, mostly CUDA and ROCm backends): added only when asked (TRITON=yes; .ci/run asks).
+# A CUDA torch brings its own.
+TRITON ?= no
+comma := ,
 # a GPU host: nvidia-smi lists a GPU
 GPU_HOST := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo yes)
 
@@ -25,16 +31,26 @@ setup:
 ifeq ($(GPU_HOST),yes)
 	$(MAKE) torch-gpu
 else
-	$(PYTHON) -m pip install $(TORCH_CPU)
+	$(MAKE) torch-cpu
 endif
-	$(PYTHON) -m pip install -e '.[$(EXTRAS)]'
+	$(PYTHON) -m pip install -e '.[$(EXTRAS)$(if $(filter yes,$(TRITON)),$(comma)triton)]'
 	@if $(PYTHON) -c "import grpc_tools" 2>/dev/null; then $(MAKE) proto; \
 	else echo "note: grpcio-tools is not installed (EXTRAS=$(EXTRAS) has no dev): the committed stubs in mstar/v1/ stay"; fi
 	$(MAKE) system-packages
-	@if command -v nvidia-smi >/dev/null 2>&1; then extra=mooncake; else extra=mooncake-cpu; fi; \
-	$(PYTHON) -m pip install -e ".[$$extra]" || echo "note: no Mooncake wheel installed ($$extra); tensors cross hosts inline"
+	$(MAKE) mooncake
 	@$(PYTHON) -c "from mstar.services.transport import mooncake as m; print('mooncake:', 'available' if m.available() else m.unavailable_reason())" || true
 	@$(PYTHON) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+
+# The CPU build, from PyTorch's CPU index: PyPI's Linux torch is the CUDA build, ~3 GB of nvidia
+# wheels with it. Where that index cannot be reached (a mirror or proxy that serves only PyPI), pip's
+# default index, saying so once. A CPU torch of the pinned version already installed is kept.
+torch-cpu:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.__version__.split('+')[0] == '$(patsubst torch==%,%,$(TORCH_CPU))' and not torch.version.cuda else 1)" 2>/dev/null; then \
+	  echo "keeping torch $$($(PYTHON) -c 'import torch; print(torch.__version__)' 2>/dev/null) (a CPU build is installed)"; \
+	elif $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; then \
+	  $(PYTHON) -m pip install $(TORCH_CPU) --index-url $(TORCH_CPU_INDEX); \
+	else echo "note: $(TORCH_CPU_INDEX) cannot be reached; $(TORCH_CPU) comes from pip's default index instead (PyPI's Linux torch is the CUDA build, ~3 GB more)"; \
+	  $(PYTHON) -m pip install $(TORCH_CPU); fi
 
 # A CUDA torch already installed (the GPU image's) is kept; otherwise the pinned CUDA build.
 # FlashInfer goes in with --no-deps: the three wheels measured together (GPU.md), plus its small
@@ -46,6 +62,13 @@ torch-gpu:
 	$(PYTHON) -m pip install --no-deps $(FLASHINFER)
 	$(PYTHON) -m pip install $(FLASHINFER_RUNTIME)
 	@$(PYTHON) -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__, 'on torch', torch.__version__)"
+
+# Optional: the Mooncake wheel, CUDA where an NVIDIA driver is, non-CUDA elsewhere. Where none can be
+# installed (no index, no wheel for this platform) one note says so, with pip's reason.
+mooncake:
+	@if command -v nvidia-smi >/dev/null 2>&1; then extra=mooncake; else extra=mooncake-cpu; fi; \
+	if out=$$($(PYTHON) -m pip install -e ".[$$extra]" 2>&1); then printf '%s\n' "$$out" | grep '^Successfully' || true; \
+	else echo "note: no Mooncake wheel installed ($$extra; pip: $$(printf '%s\n' "$$out" | grep '^ERROR' | tail -1 | cut -c8-)); tensors cross hosts inline"; fi
 
 # Optional: the system libraries Mooncake's engine links (soname:Debian package), installed with
 # apt-get when missing and we are root (SYSTEM_PACKAGES=no skips it). Never fails setup: an apt lock
@@ -73,7 +96,7 @@ proto:
 # mesh starts once. One worker: make test PYTEST_WORKERS=0
 PYTEST_WORKERS ?= 2
 test:
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=15
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=15 -rs
 
 lint:
 	$(PYTHON) -m ruff check .

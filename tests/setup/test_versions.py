@@ -89,4 +89,16 @@ def test_without_a_gpu_setup_installs_the_cpu_torch(tmp_path):
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2; exit 9\n")
     (tmp_path / "nvidia-smi").chmod(0o755)
     plan = subprocess.run(["make", "-n", "-C", str(ROOT), "setup"], env=env, capture_output=True, text=True, timeout=60)
-    assert "pip install torch==2.13.0" in plan.stdout and "torch-gpu" not in plan.stdout
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in plan.stdout
+    assert "torch-gpu" not in plan.stdout and "cu130" not in plan.stdout
+    assert "pip install -e '.[dev,all]'" in plan.stdout  # no triton unless asked (TRITON=yes)
+    plan = subprocess.run(["make", "-n", "-C", str(ROOT), "setup", "TRITON=yes"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert "pip install -e '.[dev,all,triton]'" in plan.stdout
+
+
+def test_only_the_triton_extra_asks_for_triton():
+    """A CPU host's `make setup` installs `dev,all`: none of those extras may pull triton (286 MB)."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    with_triton = sorted(name for name, reqs in extras.items() if any(r.startswith("triton") for r in reqs))
+    assert with_triton == ["triton"], with_triton
