@@ -50,3 +50,22 @@ def test_random_weights_are_made_on_load_the_same_each_time(checkpoint, tmp_path
     out = logits(a, ids)
     assert torch.isfinite(out).all() and torch.equal(out, logits(b, ids))
     assert a.specials().shape == (3, a.cfg.text.hidden_size)
+
+
+def test_the_random_checkpoint_is_written_without_transformers_rope_warning():
+    """transformers' Talker config warns about mrope_section and interleaved (keys its model reads)
+    at every --random-weights start; build_reference drops that one warning."""
+    import logging
+
+    from mstar.models.qwen3_omni.tiny import build_reference
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    rope_log = logging.getLogger("transformers.modeling_rope_utils")
+    rope_log.addHandler(handler)
+    try:
+        build_reference()
+    finally:
+        rope_log.removeHandler(handler)
+    assert not [r.getMessage() for r in seen if "rope_parameters" in r.getMessage()]
