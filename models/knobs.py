@@ -111,12 +111,13 @@ def _what(prop: dict[str, Any]) -> str:
             "null": "null"}.get(prop.get("type", ""), "a value")
     lo = prop.get("minimum", prop.get("exclusiveMinimum"))
     hi = prop.get("maximum", prop.get("exclusiveMaximum"))
+    step = f", a multiple of {prop['multipleOf']}" if "multipleOf" in prop else ""
     if lo is not None and hi is not None:
         left = "(" if "exclusiveMinimum" in prop else "["
         right = ")" if "exclusiveMaximum" in prop else "]"
-        return f"{kind} in {left}{lo}, {hi}{right}"
+        return f"{kind} in {left}{lo}, {hi}{right}{step}"
     if lo is not None:
-        return f"{kind} > {lo}" if "exclusiveMinimum" in prop else f"{kind} >= {lo}"
+        return (f"{kind} > {lo}" if "exclusiveMinimum" in prop else f"{kind} >= {lo}") + step
     if hi is not None:
-        return f"{kind} < {hi}" if "exclusiveMaximum" in prop else f"{kind} <= {hi}"
-    return kind
+        return (f"{kind} < {hi}" if "exclusiveMaximum" in prop else f"{kind} <= {hi}") + step
+    return kind + step

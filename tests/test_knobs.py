@@ -35,6 +35,14 @@ def test_request_knobs_are_strictly_typed(kwargs, message):
         OrpheusRequest.parse(kwargs, sep=": ")
 
 
+def test_a_size_off_the_models_step_states_the_step():
+    from mstar.models.bagel.schema import BagelRequest
+
+    with pytest.raises(KnobError, match=re.escape("model_kwargs.width: must be an integer in [16, 1024], a multiple "
+                                                  "of 16, got 770")):
+        BagelRequest.parse({"width": 770}, sep=": ")
+
+
 def test_a_request_gets_the_defaults_and_keeps_its_values():
     assert OrpheusRequest.parse({"temperature": 1, "seed": 3}).given() == {
         "voice": "tara", "temperature": 1.0, "top_p": 0.8, "repetition_penalty": 1.3, "max_tokens": 1200, "seed": 3}
