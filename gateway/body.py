@@ -148,7 +148,7 @@ async def _form_value(request: web.Request, name: str, data: bytes, max_timeout_
     except UnicodeDecodeError:
         raise bad_request(name, f"{name}: not valid UTF-8") from None
     if name == "model_kwargs":
-        return await read_json_field(request, name, data, wait_s=max_timeout_s)
+        return await read_json_field(request, name, data, max_timeout_s)
     if name == "stream":
         flag = text.strip().lower()
         if flag not in ("true", "false"):

@@ -24,8 +24,6 @@ from mstar.limits import INLINE_JSON_BYTES
 log = logging.getLogger("mstar.gateway")
 JSON_POOL = web.AppKey("json_pool", JsonPool)
 TURNS = web.AppKey("json_turns", Turns)
-#: a caller waits for its turn at most this long when the app has no request timeout to go by
-DEFAULT_WAIT_S = 300.0
 
 
 async def json_workers(app: web.Application):
@@ -47,9 +45,9 @@ async def _retire_idle(pool: JsonPool) -> None:
             log.exception("stopping idle JSON workers failed")
 
 
-async def read_json_body(request: web.Request, max_bytes: int, shape: str, wait_s: float = DEFAULT_WAIT_S) -> object:
+async def read_json_body(request: web.Request, max_bytes: int, shape: str, wait_s: float) -> object:
     """The body, parsed and shaped by ``json_bounds.SHAPES[shape]``; ApiError 400 naming the field,
-    413 past ``max_bytes``, 429 when the caller's turn does not come (json_fair.py)."""
+    413 past ``max_bytes``, 429 when the caller's turn does not come within ``wait_s`` (json_fair.py)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large(max_bytes)
     body = bytearray()
@@ -69,17 +67,20 @@ async def read_json_body(request: web.Request, max_bytes: int, shape: str, wait_
     except BaseException:
         end_turn()
         raise
-    return _body(await _in_turn(request, body, shape, end_turn))  # sent as it is: no copy
+    parsing = _in_turn(request, body, shape, end_turn)  # sent as it is: no copy
+    del body  # freed once sent, not held while the request runs on
+    return _body(await asyncio.shield(parsing))
 
 
-async def read_json_field(request: web.Request, name: str, data: bytes, expected: str | None = None,
-                          wait_s: float = DEFAULT_WAIT_S) -> object:
+async def read_json_field(request: web.Request, name: str, data: bytes, wait_s: float,
+                          expected: str | None = None) -> object:
     """A JSON form field's value (any JSON value); 400 naming ``name`` (and where in it) if refused.
     ``expected``: what a malformed one is said to have to be ("a number"); default: the parser's reason."""
     if len(data) <= INLINE_JSON_BYTES:
         result = parse(data, "value")
     else:
-        result = await _in_turn(request, data, "value", await request.app[TURNS].take(caller_of(request), wait_s))
+        end_turn = await request.app[TURNS].take(caller_of(request), wait_s)
+        result = await asyncio.shield(_in_turn(request, data, "value", end_turn))
     if not isinstance(result, Refused):
         return result
     where = f"{name}.{result.path}" if result.path else name
@@ -88,16 +89,17 @@ async def read_json_field(request: web.Request, name: str, data: bytes, expected
     raise bad_request(where, f"{where}: {result.reason}")
 
 
-async def _in_turn(request: web.Request, raw: bytes | bytearray, shape: str, end_turn) -> object:
-    """The worker's parse; the caller's turn ends when it does, even if this handler is cancelled
-    first (a client that hangs up cannot free its turn while its body still holds a worker)."""
+def _in_turn(request: web.Request, raw: bytes | bytearray, shape: str, end_turn) -> asyncio.Future:
+    """The worker's parse, a future to await shielded: the caller's turn ends when the parse does,
+    even if the handler is cancelled first (a client that hangs up cannot free its turn while its
+    body still holds a worker)."""
     try:
         parsing = request.app[JSON_POOL].parse(raw, shape)
     except BaseException:
         end_turn()
         raise
     parsing.add_done_callback(lambda _: end_turn())
-    return await asyncio.shield(parsing)
+    return parsing
 
 
 def _body(result: object) -> object:

@@ -96,7 +96,7 @@ async def _form_value(request: web.Request, name: str, data: bytes) -> object:
     if name not in JSON_FIELDS:
         return text
     what = "a JSON object" if name == "model_kwargs" else "a number"
-    return await read_json_field(request, name, data, what, request.app[SETTINGS].request_timeout_s)
+    return await read_json_field(request, name, data, request.app[SETTINGS].request_timeout_s, what)
 
 
 @openai_route
