@@ -202,6 +202,7 @@ def one_run(name: str, tree: Path, keys: Path, work: Path, args) -> dict:
     launcher, url = serve(tree, keys, work / f"{name}.log")
     try:
         gw = gateway_pid(launcher.pid)
+        load = {"start": os.getloadavg()}  # the machine is shared: how busy it was
         t0 = time.monotonic()
         sampler = Sampler(gw, t0)
         sampler.start()
@@ -217,6 +218,7 @@ def one_run(name: str, tree: Path, keys: Path, work: Path, args) -> dict:
         phases["after"] = asyncio.run(victim(url, args.after_s, t0, args.rate))
         sampler.done.set()
         sampler.join()
+        load["end"] = os.getloadavg()
     finally:
         stop(launcher)
     mem = sampler.samples
@@ -227,6 +229,7 @@ def one_run(name: str, tree: Path, keys: Path, work: Path, args) -> dict:
     end = mem[-1][0]
     return {"code": name, "tree": str(tree), "mstar.gateway.body imported from": imported_from(tree),
             "phases_s": {"flood_start": round(t_flood, 2), "after_start": round(t_after, 2), "end": end},
+            "loadavg_1_5_15": load,
             "victim": {k: stats(v) for k, v in phases.items()}, "flood": flooded,
             "memory_mib": {"before": statistics.median(mib(0, t_flood)), "during_max": max(mib(t_flood, t_after)),
                            "after": statistics.median(mib(end - 3, end + 1)),
