@@ -15,7 +15,8 @@ try:
     from mstar.env import settings
     from mstar.launcher import LaunchError, LaunchOptions, Mesh, run_forever
     from mstar.layouts import models_text, resolve, serve_target
-    from mstar.models.base import MissingAssets
+    from mstar.models.base import MissingAssets, Model
+    from mstar.models.graph import Modality
     from mstar.models.hub import CheckpointError
     from mstar.models.registry import UnknownModel, create_model, known_models
     from mstar.netif import transfer_address
@@ -46,7 +47,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "--cache-dir or the HF cache; also MSTAR_DOWNLOAD=1")
     p.add_argument("--random-weights", action="store_true",
                    help="demo mode: serve a tiny RANDOM checkpoint written in the real layout (no real weights needed; "
-                        "output is noise)")
+                        "its output means nothing)")
     p.add_argument("--tensor-comm-protocol", default="AUTO", help=PROTOCOL_HELP)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--max-inflight", type=int, default=1024, help="conductor admission limit (requests in flight)")
@@ -138,6 +139,22 @@ def _serve_settings(args: argparse.Namespace) -> dict:
     return out
 
 
+#: what a random checkpoint's output is, per kind of output
+_RANDOM_OUTPUT = {Modality.TEXT: "text: random tokens", Modality.IMAGE: "images: noise, not pictures",
+                  Modality.AUDIO: "audio: noise, not speech", Modality.ACTION: "actions: random, not a trained model's",
+                  Modality.LATENT: "embeddings: random, not a trained encoder's"}
+
+
+def random_weights_line(model: Model, cache_dir: str, written: list[str]) -> str:
+    """The --random-weights warning: where the checkpoint is and what the model's outputs then are."""
+    if type(model).write_random_weights is Model.write_random_weights:  # the toy: nothing to write
+        return f"mstar: note: --random-weights: '{model.name}' has no weights; it serves as always"
+    kinds = "; ".join(_RANDOM_OUTPUT[m] for m in Modality if m in model.outputs.values())
+    return (f"mstar: WARNING: --random-weights: serving a tiny RANDOM '{model.name}' checkpoint from {cache_dir} "
+            f"({'written now: ' + ', '.join(written) if written else 'already there'}); its output means nothing "
+            f"({kinds})")
+
+
 def _launch(args: argparse.Namespace, config_path: Path) -> int:
     try:
         parse_protocol(args.tensor_comm_protocol)
@@ -147,10 +164,9 @@ def _launch(args: argparse.Namespace, config_path: Path) -> int:
         cache_dir = args.cache_dir
         if args.random_weights:
             cache_dir = cache_dir or str(Path.home() / ".cache" / "mstar" / "random-weights")
-            written = create_model(config.model, config.model_kwargs, cache_dir).write_random_weights(cache_dir)
-            print(f"mstar: WARNING: --random-weights: serving a tiny RANDOM '{config.model}' checkpoint from {cache_dir} "
-                  f"({'written now: ' + ', '.join(written) if written else 'already there'}); its output is noise, "
-                  f"not speech", file=sys.stderr, flush=True)
+            model = create_model(config.model, config.model_kwargs, cache_dir)
+            print(random_weights_line(model, cache_dir, model.write_random_weights(cache_dir)), file=sys.stderr,
+                  flush=True)
         opts = LaunchOptions(config_path, args.host, args.port, args.grpc_port, gpus, cache_dir,
                              args.tensor_comm_protocol.upper(), args.log_level, args.max_inflight, args.request_timeout,
                              startup_timeout_s=args.startup_timeout, envoy=args.envoy, envoy_port=args.envoy_port,
