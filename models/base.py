@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mstar.models.engine import Engine, check_engine
 from mstar.models.graph import GraphError, GraphNode, Modality, Walk
 from mstar.models.plan import WalkPlan, plan_walk
 
@@ -211,9 +212,14 @@ class EngineNode(NodeSubmodule):
     #: of its other running sequences (their last outputs are being routed), so that their rows
     #: join this step instead of making the next one; 0: step at once
     gather_s = 0.0
-    #: the sequence engine: ``LocalSeqEngine`` or ``EngineProcess`` (seq_engine.py), or one
-    #: with the same surface (submit, release, step, has_work, close, kv_stats, exit_reason)
-    engine: Any = None
+    #: the sequence engine (``LocalSeqEngine`` or ``EngineProcess``: seq_engine.py; or a model's
+    #: own), held to the engine contract (``mstar.models.engine.Engine``) when the node sets it
+    engine: Engine[Any] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "engine" and value is not None:  # an engine missing a method is refused here, not at its first call
+            value = check_engine(value, f"engine node {type(self).__name__}")
+        super().__setattr__(name, value)
 
     def prepare(self, call: NodeCall) -> Any:
         """The engine work this call starts (``StartSeq`` / ``ImportSeq``), or None."""
@@ -238,9 +244,10 @@ class EngineNode(NodeSubmodule):
     # -- tensor parallelism (a node group with tp_size > 1) ---------------------------------
     def follow(self) -> None:
         """Ranks past 0: mirror rank 0's engine until its ``close``."""
-        if self.tensor_parallel is None:
+        follow = getattr(self.engine, "follow", None)  # optional in the engine contract
+        if self.tensor_parallel is None or follow is None:
             raise TypeError(f"{type(self).__name__} does not run tensor-parallel")
-        self.engine.follow()
+        follow()
 
     def close(self) -> None:
         """The service is stopping (rank 0 releases its followers here)."""

@@ -171,6 +171,74 @@ def test_engine_node_rejects_forward():
         CountingNode().forward([])
 
 
+class HalfEngine:
+    """A fake engine that steps but was never given a way to stop (no close, no exit_reason)."""
+
+    has_work = False
+
+    def submit(self, rid, work):
+        pass
+
+    def release(self, rid):
+        pass
+
+    def step(self):
+        return []
+
+
+def test_an_engine_missing_part_of_the_contract_is_refused_when_its_node_is_made():
+    """An engine node whose engine lacks members of the engine contract fails at construction with
+    a TypeError naming them (not at the service's first close, or first call); a node that never
+    set an engine is refused when its driver is made, before any call; an Engine subclass missing
+    a method cannot be instantiated at all."""
+    from mstar.models.engine import Engine
+    from mstar.services.node_group.engine_driver import EngineDriver
+
+    class HalfNode(CountingNode):
+        def __init__(self):
+            self.engine = HalfEngine()
+
+    with pytest.raises(TypeError, match=r"engine node HalfNode: its engine HalfEngine lacks close, exit_reason of "
+                                        r"the engine contract"):
+        HalfNode()
+
+    class Stepless(CountingEngine):  # a step that is not callable counts as missing
+        step = None
+
+    class SteplessNode(CountingNode):
+        def __init__(self):
+            self.engine = Stepless()
+
+    with pytest.raises(TypeError, match="lacks step of"):
+        SteplessNode()
+
+    class NoEngineNode(CountingNode):
+        def __init__(self):
+            pass
+
+    with pytest.raises(TypeError, match="engine node 'lm' has no engine"):
+        EngineDriver("lm", NoEngineNode(), None, lambda: None)
+
+    class Unfinished(Engine):
+        has_work = False
+
+        def submit(self, request_id, work):
+            pass
+
+        def release(self, request_id):
+            pass
+
+        def step(self):
+            return []
+
+        def close(self):
+            pass
+
+    with pytest.raises(TypeError, match="abstract method 'exit_reason'|abstract method exit_reason"):
+        Unfinished()
+    assert EngineDriver("lm", CountingNode(), None, lambda: None).engine is ENGINES[-1]  # a whole engine is taken
+
+
 class FedEngine:
     """A fake engine fed a row an iteration (as the Talker's): a step answers exactly the work
     handed to it since the last one."""
@@ -195,6 +263,12 @@ class FedEngine:
         self.batches.append(sorted(batch))
         self.times.append(time.perf_counter())
         return [SeqOutput(rid, 1, SeqStatus.RUNNING) for rid in batch]
+
+    def close(self):
+        pass
+
+    def exit_reason(self):
+        return None
 
 
 class FedNode(EngineNode):

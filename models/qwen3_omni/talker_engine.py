@@ -1,5 +1,5 @@
-"""The Talker's sequence engine (the ``EngineNode`` surface) over its MoE decoder, code predictor
-and a slot KV cache of its own.
+"""The Talker's sequence engine (the engine contract, ``mstar.models.engine.Engine``) over its MoE
+decoder, code predictor and a slot KV cache of its own.
 
 Unlike a text LLM, each Talker step reads an input the graph supplies: the next row of the
 Thinker's text stream (or none once that stream ended). So every call of the Talker's loop hands
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar.metrics import KvStats
+from mstar.models.engine import Engine
 from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
 from mstar.models.qwen3_omni.decode_graphs import DecodeGraphs
 from mstar.models.qwen3_omni.positions import decode_positions
@@ -58,7 +59,7 @@ class _Seq:
     generator: torch.Generator | None = None
 
 
-class TalkerEngine:
+class TalkerEngine(Engine[TalkerStart | TalkerFeed]):
     def __init__(self, model: Talker, specials: torch.Tensor, max_num_seqs: int, max_seq_len: int,
                  cuda_graphs: bool = True):
         """``specials`` [3, thinker hidden]: the Thinker's embeddings of tts_bos, tts_eos, tts_pad.

@@ -1,5 +1,5 @@
-"""The Thinker's sequence engine: the surface ``EngineNode`` drivers step (``submit``, ``release``,
-``has_work``, ``step``), over the MoE model and a slot KV cache of its own.
+"""The Thinker's sequence engine (the engine contract, ``mstar.models.engine.Engine``) over the MoE
+model and a slot KV cache of its own.
 
 A step prefills the sequences submitted since the last one (one pass each: token and media
 embeddings, DeepStack rows, M-RoPE positions) and decodes every other running sequence in one
@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mstar.metrics import KvStats
+from mstar.models.engine import Engine
 from mstar.models.qwen3_omni.cache import Decode, PrefillBatch, SlotCache
 from mstar.models.qwen3_omni.decode_graphs import DecodeGraphs
 from mstar.models.qwen3_omni.positions import decode_positions
@@ -58,7 +59,7 @@ class ThinkerStart:
     sampling: Sampling
     max_tokens: int
     stop_ids: tuple[int, ...]
-    media: dict[str, torch.Tensor] = field(default_factory=dict)  # id -> rows for its placeholders
+    media: dict[int, torch.Tensor] = field(default_factory=dict)  # placeholder token id -> rows for it
     deepstack: list[torch.Tensor] = field(default_factory=list)  # per layer, rows for the visual placeholders
     visual_ids: tuple[int, ...] = ()  # placeholder ids DeepStack rows go to (image, video)
     talker_rows: torch.Tensor | None = None  # prompt rows the Talker reads
@@ -77,7 +78,7 @@ class _Seq:
     generator: torch.Generator | None = None
 
 
-class ThinkerEngine:
+class ThinkerEngine(Engine[ThinkerStart]):
     def __init__(self, model: Thinker, capture_layer: int, max_num_seqs: int, max_seq_len: int,
                  max_prefill_tokens: int = 8192, tp=None, cuda_graphs: bool = True):
         """``max_prefill_tokens``: prompts admitted in one step add up to at most this many tokens

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 from mstar import nvtx
 from mstar.metrics import KvStats
+from mstar.models.engine import Engine
 from mstar.services.engines.kv_engine import KVCacheEngine, StepFailed
 from mstar.services.engines.seq_engine import ImportSeq, LocalSeqEngine, SeqOutput, SeqWork
 
@@ -88,7 +89,7 @@ class EngineProcessDied(RuntimeError):
     pass
 
 
-class EngineProcess:
+class EngineProcess(Engine[SeqWork]):
     def __init__(self, name: str, factory: Callable[..., KVCacheEngine], args: tuple = (), log_level: int | None = None):
         """Start the child and wait until ``factory(*args)`` built its engine there (raises
         with the child's traceback if it failed). ``factory`` must be importable by name."""

@@ -1,4 +1,5 @@
-"""The surface an engine node's driver talks to: sequences in, per-request outputs out.
+"""The KV-cache engine under the engine contract (``mstar.models.engine.Engine``): sequences in,
+per-request outputs out.
 
 A request owns at most one generating sequence in an engine. Work for it is typed:
 ``StartSeq`` (a prompt) or ``ImportSeq`` (a sequence whose first tokens' K/V were computed
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from mstar.metrics import KvStats
+from mstar.models.engine import Engine
 from mstar.services.engines.kv_engine import KVCacheEngine
 from mstar.services.engines.sampling import SamplingParams
 from mstar.services.engines.sequence import SeqStatus
@@ -67,7 +69,7 @@ class SeqOutput(NamedTuple):
         return self.status > SeqStatus.PREEMPTED
 
 
-class LocalSeqEngine:
+class LocalSeqEngine(Engine[SeqWork]):
     """A ``KVCacheEngine`` driven in this process; not thread-safe (one thread calls it)."""
 
     def __init__(self, engine: KVCacheEngine):

@@ -14,6 +14,8 @@ thread right after the step (``EngineNode.outputs``), while the event loop is in
 the GIL free; the rest on the event loop.
 It answers with typed results: ``Ready`` (outputs now), ``TAKEN`` (a later step answers) or
 ``DEFERRED`` (the work goes to the engine with its next step; a later step answers).
+What it calls on the engine is the engine contract, ``mstar.models.engine.Engine``: an engine
+lacking part of it is refused when the driver is made (``check_engine``).
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from mstar import nvtx
 from mstar.models.base import EngineNode, NodeCall
+from mstar.models.engine import Engine, EngineOutput, check_engine
 from mstar.services.engines.kv_engine import StepFailed
-from mstar.services.engines.seq_engine import SeqOutput, SeqWork
+from mstar.services.engines.seq_engine import SeqOutput
 from mstar.services.engines.sequence import SeqStatus
 
 log = logging.getLogger(__name__)
@@ -54,13 +57,14 @@ Completion = tuple[NodeCall, Any, dict | Exception]  # (call, the runtime's `whe
 
 class EngineDriver:
     def __init__(self, node: str, sub: EngineNode, executor: Executor, wake: Callable[[], None]):
-        self.node, self.sub, self.engine = node, sub, sub.engine
+        self.node, self.sub = node, sub
+        self.engine: Engine[Any] = check_engine(sub.engine, f"engine node '{node}'")
         self._executor, self._wake = executor, wake
-        self._work: list[tuple[str, SeqWork]] = []
+        self._work: list[tuple[str, Any]] = []  # (request, what its node's prepare returned)
         self._releases: list[str] = []
         self._step: asyncio.Future | None = None
         self._waiting: dict[str, tuple[NodeCall, Any]] = {}  # request -> its call waiting for the next output
-        self._early: dict[str, deque[SeqOutput]] = {}  # outputs that came before their call
+        self._early: dict[str, deque[EngineOutput]] = {}  # outputs that came before their call
         self._live: set[str] = set()  # requests whose sequence has not finished (outputs still to come)
         self._held: set[str] = set()  # requests the engine may hold pages of (released with the request)
         self.steps = 0
@@ -189,7 +193,7 @@ class EngineDriver:
         self._gather_timer_pending = False
         self._wake()
 
-    def _route(self, outs: list[SeqOutput], made: dict[str, tuple[NodeCall, dict | Exception]]) -> list[Completion]:
+    def _route(self, outs: Sequence[EngineOutput], made: dict[str, tuple[NodeCall, dict | Exception]]) -> list[Completion]:
         done: list[Completion] = []
         for out in outs:
             rid = out.request_id
@@ -221,7 +225,7 @@ class EngineDriver:
                     SeqOutput(rid, None, SeqStatus.FINISHED_ABORTED, error=f"engine step failed: {type(error).__name__}: {error}"))
         return done
 
-    def _outputs(self, call: NodeCall, out: SeqOutput | None) -> dict | Exception:
+    def _outputs(self, call: NodeCall, out: EngineOutput | None) -> dict | Exception:
         if out is not None and out.token_id is None:
             return RuntimeError(f"request {call.request_id}: {out.error}")
         try:
@@ -233,7 +237,7 @@ class EngineDriver:
         self.sub.close()
 
 
-def _engine_step(engine, work: list[tuple[str, SeqWork]], releases: list[str], t0: float, outputs,
+def _engine_step(engine: Engine[Any], work: list[tuple[str, Any]], releases: list[str], t0: float, outputs,
                  waiting: dict[str, NodeCall], node: str):
     """One engine step on the engine's thread: releases, then new work, then the step; then the
     outputs of the calls that were waiting for it (each request's first output of the step)."""
