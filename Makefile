@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PROTO_SRC := $(wildcard proto/mstar/v1/*.proto)
 
-.PHONY: setup torch-cpu torch-gpu system-packages mooncake proto check-proto test lint serve bench
+.PHONY: setup torch-cpu torch-gpu system-packages mooncake proto check-proto test lint typecheck serve bench
 SYSTEM_PACKAGES ?= yes
 
 # Versions: torch on CPU hosts; on GPU hosts a CUDA torch already installed is kept, else the
@@ -100,6 +100,15 @@ test:
 
 lint:
 	$(PYTHON) -m ruff check .
+	$(MAKE) --no-print-directory typecheck
+
+# mypy as configured in pyproject.toml ([tool.mypy]): it reads the folders, which install as
+# subpackages of mstar, through build/mypy/mstar (links laid out as installed)
+typecheck:
+	@rm -rf build/mypy && mkdir -p build/mypy/mstar
+	@for f in mstar/*; do ln -s "$(CURDIR)/$$f" build/mypy/mstar/; done
+	@for d in services conductor gateway models; do ln -s "$(CURDIR)/$$d" build/mypy/mstar/$$d; done
+	$(PYTHON) -m mypy
 
 serve:
 	mstar serve toy

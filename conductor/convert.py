@@ -25,11 +25,12 @@ def prompt_from_request(req: cpb.GenerateRequest) -> Prompt:
     kwargs: dict = {}
     if req.model_kwargs_json:
         try:
-            kwargs = untrusted.loads(req.model_kwargs_json)
+            loaded = untrusted.loads(req.model_kwargs_json)
         except untrusted.Untrusted as e:
             raise InvalidArgument(f"model_kwargs.{e.path}" if e.path else "model_kwargs_json", str(e)) from None
-        if not isinstance(kwargs, dict):
+        if not isinstance(loaded, dict):
             raise InvalidArgument("model_kwargs_json", "must be a JSON object")
+        kwargs = loaded
     files = [InputFile(f.name, f.content_type, f.data) for f in req.files]
     return Prompt(req.text, files, kwargs)
 

@@ -78,8 +78,9 @@ class RequestRun:
     def _first_walk(self) -> None:
         try:
             with nvtx.span("conductor: first walk"):
-                self.table.start_walk(self.ar, self.table.model.next_walk(self.ar.state, None))
-        except Exception as e:  # a bug in the state machine: fails this request like any later one
+                seed = self.table.model.next_walk(self.ar.state, None)
+                self.table.start_walk(self.ar, seed)  # type: ignore[arg-type]  # None: a bug, failed below
+        except Exception as e:  # a bug in the state machine (None included): fails this request like any later one
             self.table.model_failed(self.ar, e)
 
     async def _next_message(self) -> tuple[cpb.GenerateResponse, Failure | Finished | None]:

@@ -68,6 +68,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.metrics.rejected("UNAUTHENTICATED")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key: send metadata "
                                 "'authorization: Bearer <key>'")
+        assert kid is not None  # context.abort raised
         return kid
 
     async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -91,6 +92,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if actions is None or not last.HasField("final"):
             await context.abort(grpc.StatusCode.INTERNAL, f"model '{self.model.name}' finished without its action "
                                                           f"output '{name}'")
+        assert actions is not None  # context.abort raised
         return act.act_response(last.request_id, actions, last.final)
 
     def _read(self, make_prompt: Callable[[], Prompt]) -> tuple[Prompt, RequestState]:
@@ -167,7 +169,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             log.exception("model '%s' failed reading a request", self.model.name)
             self.metrics.rejected("INTERNAL")
             await context.abort(grpc.StatusCode.INTERNAL, self.table.model_bug(e))
-        raise AssertionError("unreachable: context.abort raises")
+        raise AssertionError("context.abort raised")
 
     async def _admit(self, kid: str, rid: str, context: grpc.aio.ServicerContext) -> None:
         """Admission: the conductor's in-flight limit, the id free for this key, the key's own limit

@@ -51,7 +51,7 @@ class PlacementConfig:
         return [g.name for g in self.node_groups]
 
 
-def _expect(cond: bool, msg: str) -> None:
+def _expect(cond: object, msg: str) -> None:  # any truth value (an `isinstance(x, list) and x`)
     if not cond:
         raise ConfigError(msg)
 

@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class TLSSettings:
     server_name: str = SERVER_NAME
 
     @classmethod
-    def in_memory(cls, hosts: list[str] = (), days: int = 365) -> TLSSettings:
+    def in_memory(cls, hosts: Sequence[str] = (), days: int = 365) -> TLSSettings:
         """A fresh CA and one mesh certificate, never written anywhere: the CA's key is dropped
         once the certificate is signed (nothing else is ever signed by it)."""
         ca_key, ca = make_ca(days=days)
@@ -193,7 +194,7 @@ def check_binds(tls: TLSSettings | None, addresses: dict[str, str], who: str, wa
 
 
 # -- making a CA and a mesh certificate (the `cryptography` package) -----------------------------
-def write_mesh_ca(directory: str | Path, hosts: list[str] = (), days: int = 365) -> Path:
+def write_mesh_ca(directory: str | Path, hosts: Sequence[str] = (), days: int = 365) -> Path:
     """Write a fresh CA's certificate and one certificate for the whole mesh into ``directory``
     (ca.pem, cert.pem, key.pem): the certificate names ``SERVER_NAME``, localhost, 127.0.0.1 and
     ``hosts``, and serves as both server and client certificate. The CA's key is never written:
@@ -229,7 +230,7 @@ def make_ca(name: str = "M* mesh CA", days: int = 365):
     return key, _cert_pem(cert)
 
 
-def issue(ca_key, ca_cert_pem: bytes, hosts: list[str] = (), days: int = 365):
+def issue(ca_key, ca_cert_pem: bytes, hosts: Sequence[str] = (), days: int = 365):
     """(private key, certificate PEM) signed by the CA, for ``SERVER_NAME`` + localhost + 127.0.0.1 + ``hosts``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _pop() -> None:
 
 @dataclass
 class Recording:
-    prof: object  # the stopped torch.profiler.profile
+    prof: Any  # the stopped torch.profiler.profile (torch is imported when recording starts)
     stem: Path  # its files' path without their suffixes
 
 
@@ -63,7 +63,7 @@ class TorchProfile:
     def __init__(self, folder: str, name: str, window_s: float):
         self.folder, self.name, self.window_s = Path(folder), f"{name}-{os.getpid()}", window_s
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._prof = None
+        self._prof: Any = None  # the torch.profiler.profile recording, if one is
         self.recordings = 0  # started so far
 
     @property
@@ -152,7 +152,7 @@ async def write_pending(profile: TorchProfile | None, loop) -> None:
     """At a service's stop: a recording still on is stopped and written before the service drains."""
     recording = profile.stop() if profile is not None else None
     if recording is not None:
-        await loop.run_in_executor(None, profile.write, recording)
+        await loop.run_in_executor(None, TorchProfile.write, recording)
 
 
 def record_around(pids: list[int], folder: Path, run: Callable[[], T], timeout_s: float = 300.0) -> tuple[T, list[str]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import torch
@@ -125,7 +125,7 @@ class Link:
         self.draining = False  # set by Links.drain: a link that goes down now is the shutdown, not a fault
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, frame: node_group_pb2.Frame, tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
+    def send(self, frame: node_group_pb2.Frame, tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
         self._ensure_started()
         if tensors:
             sender, edges, clock = self._tensors, self._edges, time.perf_counter

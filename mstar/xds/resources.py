@@ -93,7 +93,7 @@ NEVER_SENT = "connect-failure,refused-stream,reset-before-request"  # the upstre
 
 def routes(cfg: ProxySettings) -> list[dict]:
     long = _s(cfg.request_timeout_s + 10)
-    grpc = {"grpc": {}}
+    grpc: dict[str, dict] = {"grpc": {}}
     return [
         # the gateway's Prometheus page is for the scraper on the mesh's network, not the public port
         {"name": "no-metrics", "match": {"path": "/metrics"}, "direct_response": {"status": 404}},

@@ -107,7 +107,7 @@ async def resolve(targets: list[Target]) -> list[Endpoint]:
             infos = await loop.getaddrinfo(t.host, t.port, type=socket.SOCK_STREAM)
         except OSError:
             return []
-        return [Endpoint(t.cluster, info[4][0], t.port, t.health) for info in infos]
+        return [Endpoint(t.cluster, str(info[4][0]), t.port, t.health) for info in infos]  # an IP string
 
     found = await asyncio.gather(*(one(t) for t in targets))
     return sorted({e for eps in found for e in eps})

@@ -12,6 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import final
 
 import grpc
 import torch
@@ -64,6 +65,7 @@ class Pending:
     chunk: ChunkInfo | None  # the stream chunk the call takes (a stream into a running loop)
 
 
+@final  # the runtime applies an effect by its exact type
 @dataclass(slots=True)
 class Send:
     """A frame for ``target`` (a node group of the request's routes, or CONDUCTOR)."""
@@ -73,6 +75,7 @@ class Send:
     tensors: list[tuple[str, torch.Tensor]]
 
 
+@final  # the runtime applies an effect by its exact type
 @dataclass(slots=True)
 class Advance:
     """``inst`` got values (or was started): queue what can fire, report it if finished."""
@@ -80,6 +83,7 @@ class Advance:
     inst: WalkInstance
 
 
+@final  # the runtime applies an effect by its exact type
 @dataclass(slots=True)
 class Handed:
     """A value of edge ``edge`` handed over inside this group (colocated: the tensor itself):

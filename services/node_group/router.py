@@ -56,8 +56,8 @@ class Router:
                 self.loop_peers[(walk, lp.name)] = sorted({host(walk, n) for n in lp.nodes} - {group})
             self.persisted[walk] = {(e.dst, e.name) for e in plan.walk.edges if e.persist}
             self.inputs[walk] = [(e.dst, e.name) for e in plan.walk.edges if e.src == INPUT and e.dst in self.local[walk]]
-            self.streams_in[walk] = {(e.dst, e.name): e for e in plan.streams
-                                     if host(e.topology.dst_walk, e.dst) == group}
+            self.streams_in[walk] = {(e.dst, e.name): e for e in plan.streams  # into chunk walks: each has a topology
+                                     if host(e.topology.dst_walk, e.dst) == group}  # type: ignore[union-attr]
             self.loop_streams_in[walk] = {(e.dst, e.name): e for e in plan.loop_streams if host(walk, e.dst) == group}
         self.persist_targets = {(e.dst, e.name): placement.persist_targets(e.dst, e.name)
                                 for plan in model.plans.values() for e in plan.walk.edges if e.persist}
@@ -131,7 +131,8 @@ class Router:
             return
         stream = self.streams_in[walk].get((node, edge))
         if stream is not None:
-            self._spawn(req, inst, stream.topology.dst_walk, edge, self._cut(inst, stream, value, done), out)
+            self._spawn(req, inst, stream.topology.dst_walk,  # type: ignore[union-attr]  # streams_in: with a topology
+                        edge, self._cut(inst, stream, value, done), out)
         elif node in inst.plan.nodes and value is not None and self.placement.host(walk, node) == self.group:
             inst.put(node, edge, iteration, value)
 
@@ -226,10 +227,11 @@ class Router:
                 continue
             if kind is EdgeKind.EXIT or kind is EdgeKind.EMIT_AT_END:
                 continue  # kept below, once per name
-            if kind is EdgeKind.STREAM or kind is EdgeKind.LOOP_STREAM:
-                self._stream(req, inst, e, it, value, out)
+            if kind is EdgeKind.STREAM or kind is EdgeKind.LOOP_STREAM:  # a StreamingGraphEdge
+                self._stream(req, inst, e, it, value, out)  # type: ignore[arg-type]
                 continue
             if kind is EdgeKind.CARRIED:
+                assert lp is not None  # a carried edge is a loop's
                 end = inst.loop_end.get(lp.name)
                 if end is not None and it >= end:
                     continue
@@ -240,9 +242,9 @@ class Router:
             if e.persist:
                 targets += [g for g in self.persist_targets[(e.dst, e.name)] if g not in targets]
             self._deliver(req, inst, e.dst, e.name, iteration, value, targets, out)
-        for name in node_plan.loop_end_outputs:
+        for name in node_plan.loop_end_outputs:  # a loop node's (lp is set)
             acc = inst.exits.setdefault((node, name), [])
-            if name not in lp.accumulate:
+            if name not in lp.accumulate:  # type: ignore[union-attr]
                 acc.clear()
             acc.append(outputs[name])
         if node_plan.stream_slot is not None and call.chunk is not None:
@@ -327,9 +329,9 @@ class Router:
                 frame = self._frame(inst, req, K.FRAME_KIND_EMIT, node=node, edge=e.name,
                                     iteration=inst.loop_end.get(lp.name, -1))
                 out.append(Send(CONDUCTOR, frame, [(e.name, ends[e.name])]))
-            elif pe.kind is EdgeKind.STREAM or pe.kind is EdgeKind.LOOP_STREAM:
-                self._deliver(req, inst, e.dst, e.name, -1, self.held_back(inst, e), [self._stream_host(inst, e)],
-                              out, done=True)
+            elif pe.kind is EdgeKind.STREAM or pe.kind is EdgeKind.LOOP_STREAM:  # a StreamingGraphEdge
+                self._deliver(req, inst, e.dst, e.name, -1, self.held_back(inst, e),
+                              [self._stream_host(inst, e)], out, done=True)  # type: ignore[arg-type]
 
     def fragment_done(self, req: RequestCtx, inst: WalkInstance, out: Out) -> None:
         frame = self._frame(inst, req, K.FRAME_KIND_FRAGMENT_DONE)

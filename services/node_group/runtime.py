@@ -99,8 +99,7 @@ class NodeGroupRuntime:
             return
         if f.kind == K.FRAME_KIND_STREAM_TAKEN:  # for a producer's instance; none if it finished meanwhile
             req = self.requests.get(f.request_id)
-            inst = req.instances.get((f.walk, f.walk_seq, -1)) if req is not None else None
-            if inst is not None:
+            if req is not None and (inst := req.instances.get((f.walk, f.walk_seq, -1))) is not None:
                 self.router.stream_taken(req, inst, f.node, f.edge, f.iteration, f.done)
                 self._apply(req, [Advance(inst)])
             return
@@ -150,7 +149,8 @@ class NodeGroupRuntime:
         clock = time.perf_counter
         yielded = clock()
         while True:
-            ran, taken = False, set()
+            ran = False
+            taken: set[tuple[str, str]] = set()  # (walk, node) batched this round
             while (nxt := self.schedule.next_calls(taken, self.requests)) is not None:
                 ran = True
                 walk, node, calls, where = nxt

@@ -55,8 +55,7 @@ class Schedule:
         calls, where = [], []
         for p in batch:
             req = requests.get(p.request_id)
-            inst = req.instances.get(p.key) if req else None
-            if inst is None:
+            if req is None or (inst := req.instances.get(p.key)) is None:
                 continue  # released while queued
             calls.append(NodeCall(p.request_id, walk, p.iteration, p.inputs, req.kwargs or {},
                                   req.node_state.setdefault(node, {}), p.chunk or inst.chunk))
