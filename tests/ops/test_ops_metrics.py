@@ -33,7 +33,7 @@ def scrape_all(mesh) -> dict[str, dict]:
 def test_every_service_is_scraped(mesh):
     assert set(mesh.metrics) == {"gateway", "conductor", "encoder", "decoder", "audio"}
     pages = scrape_all(mesh)
-    assert value(pages["conductor"], "mstar_requests_inflight_limit", model="toy") == 256
+    assert value(pages["conductor"], "mstar_requests_inflight_limit", model="toy") == 1024
     for group in ("encoder", "decoder", "audio"):
         assert ("mstar_node_group_queue_depth", frozenset({("group", group)})) in pages[group]
 
