@@ -2,8 +2,8 @@
 the same run's engines with a changed EngineConfig (``--compare-config``), and optionally an
 earlier run of ours (its own run: compare its ratios, not its absolute times).
 
-    python bench/engines/plot_decode.py bench/results/engines/decode_bench.json bench/results/engines/decode.png \
-        [bench/results/engines/run2/decode_bench.json]
+    python bench/engines/plot_decode.py bench/results/engines/2026-11-26b/decode_bench.json \
+        bench/results/engines/2026-11-26b/decode.png [OLDER/decode_bench.json]
 """
 
 from __future__ import annotations

@@ -2,19 +2,13 @@
 # The engine library's GPU runs in one device call, from the repository root, with .fi/ carried:
 #   bash bench/engines/run_gpu.sh OUTDIR STAGES    (STAGES: comma-separated, in this order)
 #   jit      build FlashInfer's norm / rope / silu_and_mul JIT modules, in parallel (cached: no-op)
-#   parity   bench/engines/flashinfer_parity.py                 -> flashinfer_parity.json
-#   gemm     bench/engines/step_profile.py --parts gemm         -> step_profile.json
 #   tests    pytest tests/engines -m gpu                        -> pytest_gpu.txt
-#   profile  bench/engines/step_profile.py --parts forward,accuracy (merged into step_profile.json;
-#            PROFILE_PARTS / PROFILE_VARIANTS override its parts / variants)
-#   trace    bench/engines/step_trace.py at TRACE_BATCHES (default 16) -> step_trace.json, and with
-#            each of TRACE_COMPARE's EngineConfig changes (JSON objects separated by ';') ->
-#            step_trace-compare1.json, -compare2.json, ...
 #   bench    bench/engines/decode_bench.py (baseline runs skipped past BENCH_DEADLINE; HF_ORDER: which,
 #            most wanted first; BENCH_ARGS: more arguments) -> decode_bench.json
+# (the parity, GEMM-profile and kernel-trace stages left with their scripts: bench/results/HISTORY.md)
 # Packs ~/.cache/flashinfer into OUTDIR/fi-jit-cache.tgz at the end (copy it to .fi/).
 set -u -o pipefail
-OUT=${1:?OUTDIR}; STAGES=",${2:-jit,parity,gemm,tests,profile,bench},"
+OUT=${1:?OUTDIR}; STAGES=",${2:-jit,tests,bench},"
 T0=$(date +%s)
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .fi/flashinfer-site.tar.xz
 mkdir -p ~/.cache && if [ -f .fi/fi-jit-cache.tgz ]; then tar -C ~/.cache -xzf .fi/fi-jit-cache.tgz; fi
@@ -31,26 +25,12 @@ if has jit; then
     python -c "from flashinfer.jit.$m.build_and_load()" > "/tmp/jit_${m%% *}.log" 2>&1 &
   done
 fi
-if has parity; then stamp parity; python bench/engines/flashinfer_parity.py --out "$OUT/flashinfer_parity.json"; fi
-if has gemm; then stamp gemm; python bench/engines/step_profile.py --parts gemm --out "$OUT/step_profile.json"; fi
 if has jit; then wait; stamp "jit done"; tail -n 3 /tmp/jit_*.log; fi
 if has tests; then
   stamp tests
   # from tests/engines, as before (the checkout on PYTHONPATH serves the package either way)
   (cd tests/engines && python -m pytest . -m gpu -q -o addopts="" -p no:cacheprovider 2>&1) \
     | tee "$OUT/pytest_gpu.txt" | tail -n 15
-fi
-if has profile; then
-  stamp profile; python bench/engines/step_profile.py --parts "${PROFILE_PARTS:-forward,accuracy}" \
-    --out "$OUT/step_profile.json" ${PROFILE_VARIANTS:+--variants "$PROFILE_VARIANTS"}
-fi
-if has trace; then
-  stamp trace
-  (cd bench/engines && python step_trace.py --out "$OUT/step_trace.json" --batches "${TRACE_BATCHES:-16}" && \
-    i=0 && IFS=';' read -ra changes <<< "${TRACE_COMPARE:-}" && for change in "${changes[@]}"; do
-      i=$((i + 1))
-      python step_trace.py --out "$OUT/step_trace-compare$i.json" --batches "${TRACE_BATCHES:-16}" --config "$change"
-    done) 2>&1 | grep -v Warning | tail -n 8
 fi
 if has bench; then
   stamp bench

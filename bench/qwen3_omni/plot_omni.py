@@ -1,7 +1,7 @@
 """Plot a bench_omni.py run: audio seconds per second and time to first audio against concurrency,
 M* against the transformers baseline (JSON files from one call: --parts mstar / baseline, or both).
 
-    python bench/qwen3_omni/plot_omni.py bench/results/qwen3_omni/2026-11-26-h200x4/omni_*.json --out plot.png
+    python bench/qwen3_omni/plot_omni.py bench/results/qwen3_omni/2026-11-27b-h200/6-full/omni.json --out plot.png
 
 ``--labels`` (one per run): each run's M* rows are a curve of their own under that label (runs of
 one call with different settings, e.g. CUDA graphs on and off); the baseline rows stay one curve.
