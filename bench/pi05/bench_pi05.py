@@ -26,7 +26,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,25 +40,11 @@ from mstar.models.pi05.weights import random_policy
 from mstar.services.engines.loop_graph import LoopGraphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
-from gpu_timing import profile_parts  # noqa: E402  (the engine benchmarks' timing helpers)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+from gpu_timing import profile_parts, wall_s  # noqa: E402  (the engine benchmarks' timing helpers)
 
 
 def median_ms(fn: Callable[[], object], device: str, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return 1e3 * statistics.median(wall_s(fn, device, reps, warmup))
 
 
 def make_inputs(cfg: Pi05Config, b: int, device: str, seed: int = 0):

@@ -23,7 +23,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -31,26 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
-from gpu_timing import profile_parts  # noqa: E402  (the engine benchmarks' timing helpers)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+from gpu_timing import profile_parts, wall_s  # noqa: E402  (the engine benchmarks' timing helpers)
 
 
 def timed(fn, device: str, iters: int = 5, warmup: int = 1) -> float:
     """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(wall_s(fn, device, iters, warmup))
 
 
 def peak_tflops(device: str, dtype: torch.dtype) -> float:
