@@ -10,7 +10,7 @@ requests (``--rate`` a second, each on schedule: open loop), idle; then with ``-
 sending ~900k one-character messages (29 MiB, under the 32 MiB body limit) back to back; then after.
 The RSS of the gateway and of its descendants (JSON workers) is sampled throughout.
 
-    python bench/gateway_flood.py --out bench/results/gateway-flood   # flood.json, flood.png
+    python bench/gateway_flood.py --out bench/results/gateway-flood   # flood.json, samples.json, flood.png
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def flood_body() -> bytes:
 # --- processes ----------------------------------------------------------------------------------
 def source_tree(rev: str) -> Path:
     """``rev``'s files in a fresh folder outside the repository."""
-    out = Path(tempfile.mkdtemp(prefix=f"gateway-flood-{rev}-"))
+    out = Path(tempfile.mkdtemp(prefix=f"gateway-flood-{rev[:10]}-"))
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out
@@ -237,11 +237,11 @@ def one_run(name: str, tree: Path, keys: Path, work: Path, args) -> dict:
                                              "during_max": max(mib(t_flood, t_after, 2)),
                                              "after": statistics.median(mib(end - 3, end + 1, 2))},
                            "processes_max": max(s[3] for s in mem)},
-            "samples": {"victim": {k: [(t, round(lat * 1e3, 2), s) for t, lat, s in v] for k, v in phases.items()},
-                        "memory": mem}}
+            "samples": {"victim": {k: [(round(t, 2), round(lat * 1e3, 1), s) for t, lat, s in v]
+                                   for k, v in phases.items()}, "memory": mem}}
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], samples: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,16 +249,15 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 6), sharex="col", squeeze=False)
     for col, run in enumerate(runs):
-        lat, mem = axes[0][col], axes[1][col]
-        for phase, rows in run["samples"]["victim"].items():
+        lat, mem, series = axes[0][col], axes[1][col], samples[run["code"]]
+        for phase, rows in series["victim"].items():
             lat.plot([r[0] for r in rows], [r[1] for r in rows], ".", ms=3, label=phase)
         lat.set_yscale("log")
         lat.set_ylabel("victim chat latency, ms")
         lat.set_title(f"{run['code']} code")
         lat.legend(loc="upper left")
-        mem.plot([m[0] for m in run["samples"]["memory"]], [m[1] for m in run["samples"]["memory"]],
-                 label="gateway + JSON workers")
-        mem.plot([m[0] for m in run["samples"]["memory"]], [m[2] for m in run["samples"]["memory"]], label="gateway")
+        mem.plot([m[0] for m in series["memory"]], [m[1] for m in series["memory"]], label="gateway + JSON workers")
+        mem.plot([m[0] for m in series["memory"]], [m[2] for m in series["memory"]], label="gateway")
         mem.set_ylabel("RSS, MiB")
         mem.legend(loc="upper left")
         mem.set_xlabel("s")
@@ -266,6 +265,9 @@ def plot(runs: list[dict], path: Path) -> None:
             ax.axvspan(run["phases_s"]["flood_start"], run["phases_s"]["after_start"], color="red", alpha=0.08)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    from PIL import Image  # stored as a 64-colour PNG, as bench/results/README.md asks
+
+    Image.open(path).convert("RGB").quantize(64).save(path, optimize=True)
 
 
 def main() -> None:
@@ -288,22 +290,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="gateway-flood-"))
     keys = work / "keys"
     keys.write_text(f"{VICTIM_KEY}\n{FLOOD_KEY}\n")
-    trees = {"old": source_tree(args.old), "new": source_tree(args.new)}
+    revs = {name: subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.strip() for name, rev in (("old", args.old), ("new", args.new))}
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), **revs}
+    trees = {name: source_tree(rev) for name, rev in revs.items()}
     runs = [one_run(name, tree, keys, work, args) for name, tree in trees.items()]
     for run, tree in zip(runs, trees.values(), strict=True):
         if not run["mstar.gateway.body imported from"].startswith(str(tree)):
             raise RuntimeError(f"the {run['code']} run imported {run['mstar.gateway.body imported from']}")
-    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-              **{name: subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-                 for name, rev in (("old", args.old), ("new", args.new))},
-              "workload": f"toy model (mstar serve toy, API keys); victim: POST {CHAT} {json.dumps(SMALL)} "
+    result |= {"workload": f"toy model (mstar serve toy, API keys); victim: POST {CHAT} {json.dumps(SMALL)} "
                           f"{args.rate:g} a second, open loop; flood: {args.flooders} connections of another key, each POSTing "
                           "900,000 one-character user messages (29 MiB) back to back",
               "runs": runs}
+    samples = {run["code"]: run.pop("samples") for run in runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "flood.json").write_text(json.dumps(result, indent=1))
-    plot(runs, out / "flood.png")
+    (out / "samples.json").write_text(json.dumps(samples, separators=(",", ":")))  # victim (t s, ms, status),
+    plot(runs, samples, out / "flood.png")  # memory (t s, MiB with workers, MiB gateway alone, processes)
     for run in runs:
         print(run["code"], json.dumps({k: run[k] for k in ("victim", "flood", "memory_mib")}))
 
