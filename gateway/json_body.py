@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from aiohttp import web
 
@@ -45,7 +46,7 @@ async def _retire_idle(pool: JsonPool) -> None:
             log.exception("stopping idle JSON workers failed")
 
 
-async def read_json_body(request: web.Request, max_bytes: int, shape: str, wait_s: float) -> object:
+async def read_json_body(request: web.Request, max_bytes: int, shape: str, wait_s: float) -> dict:
     """The body, parsed and shaped by ``json_bounds.SHAPES[shape]``; ApiError 400 naming the field,
     413 past ``max_bytes``, 429 when the caller's turn does not come within ``wait_s`` (json_fair.py)."""
     if request.content_length is not None and request.content_length > max_bytes:
@@ -102,7 +103,8 @@ def _in_turn(request: web.Request, raw: bytes | bytearray, shape: str, end_turn)
     return parsing
 
 
-def _body(result: object) -> object:
+def _body(result: object) -> Any:
+    """A body shape's result (an object: json_bounds._object), or its refusal raised."""
     if not isinstance(result, Refused):
         return result
     if result.path:

@@ -13,6 +13,7 @@ import json
 import math
 import re
 from json import decoder, scanner
+from typing import Any
 
 from mstar.limits import MAX_JSON_DEPTH, MAX_JSON_VALUES, MIN_TIMEOUT_S
 
@@ -21,6 +22,10 @@ MAX_INT_DIGITS = 32
 #: a request id: what clients use (UUIDs, ULIDs, "req-42", "trace/span"), nothing that could end or
 #: split an HTTP header (the gateway answers it in X-Request-Id)
 _HUGE = 10**MAX_INT_DIGITS
+# json's pure-Python scanner and the parts it is built of (typeshed's stubs leave them out)
+_WHITESPACE = decoder.WHITESPACE  # type: ignore[attr-defined]
+_scanstring = decoder.scanstring  # type: ignore[attr-defined]
+_py_make_scanner = scanner.py_make_scanner  # type: ignore[attr-defined]
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@~-]{1,128}")
 REQUEST_ID_RULE = "1-128 characters among letters, digits and . _ : / + = @ ~ -"
 
@@ -92,14 +97,14 @@ class _Bounded:
     def __init__(self, max_values: int):
         self.max_values, self.values, self.depth = max_values, 0, 0
         self.member = ""  # the top-level member being read: where a refusal is named
-        context = json.JSONDecoder(parse_int=_bounded_int)
+        context: Any = json.JSONDecoder(parse_int=_bounded_int)
         context.parse_object, context.parse_array = self._object, self._array
-        self._scan = scanner.py_make_scanner(context)
+        self._scan = _py_make_scanner(context)
 
     def loads(self, s: str) -> object:
-        end = decoder.WHITESPACE.match(s, 0).end()
+        end = _WHITESPACE.match(s, 0).end()
         value, end = self._root(s, end) if s.startswith("{", end) else self._value(s, end)
-        end = decoder.WHITESPACE.match(s, end).end()
+        end = _WHITESPACE.match(s, end).end()
         if end != len(s):
             raise json.JSONDecodeError("Extra data", s, end)
         return value
@@ -130,25 +135,26 @@ class _Bounded:
 
     def _root(self, s: str, idx: int) -> tuple[dict, int]:
         """The top-level object, member by member, so that a refusal names the member it is in."""
-        self.values, self.depth, out = 1, 1, {}
-        end = decoder.WHITESPACE.match(s, idx + 1).end()
+        self.values, self.depth = 1, 1
+        out: dict[str, object] = {}
+        end = _WHITESPACE.match(s, idx + 1).end()
         if s.startswith("}", end):
             return out, end + 1
         while True:
             if not s.startswith('"', end):
                 raise json.JSONDecodeError("Expecting property name enclosed in double quotes", s, end)
-            key, end = decoder.scanstring(s, end + 1)
-            end = decoder.WHITESPACE.match(s, end).end()
+            key, end = _scanstring(s, end + 1)
+            end = _WHITESPACE.match(s, end).end()
             if not s.startswith(":", end):
                 raise json.JSONDecodeError("Expecting ':' delimiter", s, end)
             self.member = key
-            out[key], end = self._value(s, decoder.WHITESPACE.match(s, end + 1).end())
-            end = decoder.WHITESPACE.match(s, end).end()
+            out[key], end = self._value(s, _WHITESPACE.match(s, end + 1).end())
+            end = _WHITESPACE.match(s, end).end()
             if s.startswith("}", end):
                 return out, end + 1
             if not s.startswith(",", end):
                 raise json.JSONDecodeError("Expecting ',' delimiter", s, end)
-            end = decoder.WHITESPACE.match(s, end + 1).end()
+            end = _WHITESPACE.match(s, end + 1).end()
 
 
 def _join(path: str, key: str | int) -> str:
@@ -165,9 +171,10 @@ def check_value(value: object, path: str = "") -> None:
 
 
 def _clean(value: object) -> bool:
-    level, depth = [value], 1
+    level: list[Any] = [value]
+    depth = 1
     while level:
-        below: list = []
+        below: list[Any] = []
         for v in level:
             t = type(v)
             if t is str:
