@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -294,7 +295,12 @@ def main() -> None:
                                  check=True).stdout.strip() for name, rev in (("old", args.old), ("new", args.new))}
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), **revs}
     trees = {name: source_tree(rev) for name, rev in revs.items()}
-    runs = [one_run(name, tree, keys, work, args) for name, tree in trees.items()]
+    try:
+        runs = [one_run(name, tree, keys, work, args) for name, tree in trees.items()]
+    finally:
+        for folder in trees.values():
+            shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(work)  # kept when a run fails: the meshes' logs are there
     for run, tree in zip(runs, trees.values(), strict=True):
         if not run["mstar.gateway.body imported from"].startswith(str(tree)):
             raise RuntimeError(f"the {run['code']} run imported {run['mstar.gateway.body imported from']}")
