@@ -27,6 +27,13 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 
 
+def table_pages(num_pages: int, batch_size: int) -> int:
+    """Page-table entries a graph of ``batch_size`` rows may be planned with: every page of the cache
+    once, plus scratch page 0 for each padded row (a full cache and a padded batch at once: a batch of
+    400 on an H100, padded to 448, once asked for 7,070 entries of a 7,021-page cache)."""
+    return num_pages + batch_size
+
+
 #: Decode attention inside the graphs (``EngineConfig.graph_attention``): 'auto' runs the fused
 #: Triton kernel (RoPE + K/V store + split-KV attention, ``attn_triton.py``) when triton imports,
 #: else FlashInfer; 'flashinfer' / 'triton' force one. On an H100 the Triton kernel beat FlashInfer's
@@ -134,14 +141,14 @@ class DecodeGraphs:
                     from mstar.services.engines.attn_triton import TritonGraphDecode
 
                     backend = TritonGraphDecode(model.config.heads, dev, cache.spec.dtype, cache.page_size, bs,
-                                                cache.allocator.num_pages)
+                                                table_pages(cache.allocator.num_pages, bs))
                     if min_split_tokens is not None:
                         backend.min_split_tokens = min_split_tokens
                     backend.pdl = self.pdl
                 else:
                     backend = FlashInferGraphDecode(
-                        model.config.heads, dev, cache.spec.dtype, cache.page_size, bs, cache.allocator.num_pages,
-                        workspace,
+                        model.config.heads, dev, cache.spec.dtype, cache.page_size, bs,
+                        table_pages(cache.allocator.num_pages, bs), workspace,
                     )
                 g = self._capture(bs, backend, pool)
                 pool = g.graph.pool()

@@ -79,3 +79,22 @@ def test_labelled_sequences_reserve_commit_truncate_release():
     assert cache.length("r", "main") == 9 and len(cache.seq("r", "main").pages) == 3
     assert cache.release("r") == 5
     assert cache.num_free_pages == start and cache.labels("r") == []
+
+
+def test_a_graph_table_holds_a_full_cache_and_a_padded_batch():
+    """Every usable page in some sequence's table, then a decode batch padded to a graph's size: the
+    table has more entries than the cache has pages (each padded row reads scratch page 0), and the
+    graphs size their tables by ``table_pages`` (an H100 run once failed its step at batch 400 so)."""
+    from mstar.services.engines.batch import SeqSlice, build_step_inputs
+    from mstar.services.engines.cuda_graphs import table_pages
+
+    cache = PagedKVCache(KVCacheSpec(1, 1, 4, page_size=4, dtype=torch.float32), num_pages=9)
+    seqs = [f"r{i}" for i in range(cache.num_free_pages // 2)]  # two pages each: every usable page
+    for rid in seqs:
+        cache.reserve(rid, "main", 8)
+        cache.commit(rid, "main", 7)
+    assert cache.num_free_pages == 0
+    inputs = build_step_inputs(cache, [SeqSlice(rid, "main", 7, 1) for rid in seqs], pad_to=8)
+    entries = inputs.attn.table.kv_indices.shape[0]
+    assert entries == 8 + 4 > cache.allocator.num_pages  # 4 sequences of 2 pages, 4 padded rows
+    assert entries <= table_pages(cache.allocator.num_pages, 8)
