@@ -166,11 +166,11 @@ def test_a_request_without_a_route_to_a_group_fails_unavailable(toy_config):
         routes: dict = {}
 
     with pytest.raises(RequestFailed) as e:
-        router._link(Req(), "decoder")
+        router.routes.link(Req.routes, "decoder")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no replica of node group 'decoder' is known to 'encoder'" in e.value.message
     Req.routes = {"decoder": "127.0.0.1:3"}
-    assert router._link(Req(), "decoder").address == "127.0.0.1:3"
+    assert router.routes.link(Req.routes, "decoder").address == "127.0.0.1:3"
     Req.routes = {"decoder": "127.0.0.1:1"}  # the conductor's address: a route cannot relabel a known peer (issue 30)
     with pytest.raises(RequestFailed, match="which is a replica of 'conductor'"):
-        router._link(Req(), "decoder")
+        router.routes.link(Req.routes, "decoder")
