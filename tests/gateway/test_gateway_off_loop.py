@@ -13,8 +13,10 @@ from gateway_harness import gateway, run
 FLOOD = json.dumps({"model": "toy", "messages": [{"role": "user", "content": "a"}] * 900_000}).encode()
 SMALL = json.dumps({"model": "toy", "messages": [{"role": "user", "content": "hi"}]}).encode()
 JSON = {"Content-Type": "application/json"}
-#: a small request answered within this while the flood is processed (idle: ~15 ms; the old code: >2 s)
-MAX_SMALL_S = 1.0
+#: small requests answered within these while the flood is processed (idle: ~15 ms; the old code held
+#: the loop for the whole parse, 3.2-3.9 s on the CI VM). The max has room for a CPU-starved moment
+#: on a loaded 2-core machine (1.5 s seen once under the full suite); the median does not.
+MAX_SMALL_S, MEDIAN_SMALL_S = 2.5, 0.25
 
 
 def test_other_requests_are_answered_while_the_worst_body_is_parsed():
@@ -39,5 +41,5 @@ def test_other_requests_are_answered_while_the_worst_body_is_parsed():
 
     (status, body), latencies = run(go(), 90)
     assert len(latencies) >= 3, latencies  # the flood was in flight over several of them
-    assert max(latencies) < MAX_SMALL_S, latencies
+    assert max(latencies) < MAX_SMALL_S and sorted(latencies)[len(latencies) // 2] < MEDIAN_SMALL_S, latencies
     assert status == 400 and body["error"]["field"] == "messages", body

@@ -16,15 +16,15 @@ pytestmark = pytest.mark.e2e
 
 def kv(url: str) -> tuple[float, float, float]:
     page = scrape(url)
-    return (value(page, "mstar_kv_pages_used", group="orpheus"), value(page, "mstar_kv_pages_free", group="orpheus"),
-            value(page, "mstar_kv_preemptions_total", group="orpheus"))
+    return (value(page, "mstar_kv_pages_used", group="llm"), value(page, "mstar_kv_pages_free", group="llm"),
+            value(page, "mstar_kv_preemptions_total", group="llm"))
 
 
 def test_kv_series_move_under_load(tmp_path):
     m = Launched("serve", "orpheus", "--random-weights", "--cache-dir", str(tmp_path), "--port", "0",
                  "--grpc-port", "0", "--log-level", "WARNING").wait_ready(timeout=120)
     try:
-        url = m.metrics["orpheus"]
+        url = m.metrics["llm"]
         used0, free0, pre0 = kv(url)
         assert free0 > 0 and pre0 == 0
         with grpc.insecure_channel(m.grpc) as ch:

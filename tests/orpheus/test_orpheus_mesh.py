@@ -78,7 +78,7 @@ def test_knobs_are_validated(weights):
 def test_cancel_frees_kv_pages(weights):
     async def go():
         async with inprocess_mesh(load_config(f"{CONFIGS}/default.yaml"), cache_dir=weights) as mesh:
-            llm = mesh.runtime("orpheus").submodules["llm"]
+            llm = mesh.runtime("llm").submodules["llm"]
             used0 = llm.kv_stats().pages_used
             call = mesh.stub.Generate(speak("A long one.", max_tokens=2000, request_id="long", seed=LONG_SEED), timeout=60)
             await call.read()  # audio is flowing: the request holds pages
@@ -88,7 +88,7 @@ def test_cancel_frees_kv_pages(weights):
                 if llm.kv_stats().pages_used == used0 and not llm.engine.has_work:
                     break
                 await asyncio.sleep(0.02)
-            driver = mesh.runtime("orpheus").drivers["llm"]
+            driver = mesh.runtime("llm").drivers["llm"]
             assert llm.kv_stats().pages_used == used0 and not driver._waiting and not driver._early and not driver._held
     run(go(), timeout=120)
 
