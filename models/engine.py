@@ -13,9 +13,7 @@ child; services/engines/), Qwen3-Omni's ``ThinkerEngine`` and ``TalkerEngine``. 
 (a test's fake) is held to it when a node sets it (``check_engine``), not at its first call.
 
 Optional, looked up by name: ``kv_stats() -> KvStats`` (exported as ``mstar_kv_*``; an engine
-without a KV cache has none), ``follow()`` (tensor-parallel ranks past 0 mirror rank 0) and
-``step_ready() -> bool`` (a ``step`` now would return at once, its outputs already here: the
-driver then runs it on the event loop instead of the engine's thread, unless it carries new work).
+without a KV cache has none) and ``follow()`` (tensor-parallel ranks past 0 mirror rank 0).
 """
 
 from __future__ import annotations

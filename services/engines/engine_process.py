@@ -135,10 +135,6 @@ class EngineProcess(Engine[SeqWork]):
     def has_work(self) -> bool:
         return bool(self._live)
 
-    def step_ready(self) -> bool:
-        """Whether ``step`` would return at once: outputs (or a failure) of the child have arrived."""
-        return self._dead is None and self._events.poll()
-
     def kv_stats(self) -> KvStats:
         """As of the child's last step or command."""
         return KvStats(*self._stats)

@@ -5,8 +5,7 @@ round (``poll``). The driver keeps, on the event loop's thread alone:
 - the work for the engine (sequences to start or import) and the requests to release, both
   handed to the engine's thread with its next step;
 - the step in flight (a future on the engine's thread; the engine steps back to back while
-  the event loop routes the previous step's outputs; a step whose outputs are already here,
-  ``step_ready``, runs on the event loop);
+  the event loop routes the previous step's outputs);
 - per request, the call waiting for the sequence's next output, and outputs that came
   before their call (the engine decodes every running sequence each step, whenever the
   graph's loop asks for the next token).
@@ -60,7 +59,6 @@ class EngineDriver:
     def __init__(self, node: str, sub: EngineNode, executor: Executor, wake: Callable[[], None]):
         self.node, self.sub = node, sub
         self.engine: Engine[Any] = check_engine(sub.engine, f"engine node '{node}'")
-        self._step_ready: Callable[[], bool] | None = getattr(self.engine, "step_ready", None)
         self._executor, self._wake = executor, wake
         self._work: list[tuple[str, Any]] = []  # (request, what its node's prepare returned)
         self._releases: list[str] = []
@@ -155,12 +153,9 @@ class EngineDriver:
         if self._gather(loop, going):
             return
         waiting = {rid: call for rid, (call, _) in self._waiting.items() if rid not in answered}
-        # an engine whose outputs have already arrived (``step_ready``) steps here: handing a step
-        # that cannot block to the engine's thread costs a thread switch and GIL hand-overs per step
-        inline = not self.sub.blocking or (not self._work and self._step_ready is not None and self._step_ready())
         args = (self.engine, self._work, self._releases, time.perf_counter(), self.sub.outputs, waiting, self.node)
         self._work, self._releases = [], []
-        if not inline:
+        if self.sub.blocking:
             fut = loop.run_in_executor(self._executor, _engine_step, *args)
         else:
             fut = loop.create_future()

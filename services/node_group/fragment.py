@@ -132,9 +132,7 @@ class WalkInstance:
 
     def consume(self, node: str, iteration: int) -> None:
         np_ = self.plan.nodes[node]
-        for name in np_.iteration_slots:  # not a union of the two: a new set per call
-            self.values.pop((node, name, iteration), None)
-        for name in np_.carried_slots:
+        for name in np_.iteration_slots | np_.carried_slots:
             self.values.pop((node, name, iteration), None)
         if iteration == 0:
             for name in np_.once_slots:  # read by the first iteration only
