@@ -143,6 +143,27 @@ def cpu_by_service(mesh) -> dict[str, float]:
     return out
 
 
+def counters(url: str) -> dict[str, float]:
+    """A node group's link messages and frames by peer, and its node's batches (calls per batch)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name.startswith(("mstar_link_messages", "mstar_link_frames")):
+                key = f"{smp.name.split('_')[2]}->{smp.labels['dst']}"
+            elif smp.name in ("mstar_node_group_batch_size_count", "mstar_node_group_batch_size_sum"):
+                key = f"{smp.labels['node']}.{smp.name.rsplit('_', 1)[1]}"
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + smp.value
+    return out
+
+
 def run_tree(args) -> list[dict]:
     """In a process whose PYTHONPATH starts with the tree (and this folder, for sitecustomize)."""
     import asyncio
@@ -165,14 +186,15 @@ def run_tree(args) -> list[dict]:
             spies = []
             for name in args.py_spy.split(",") if args.py_spy and rep == 0 else []:
                 pid = next(s.proc.pid for s in mesh.services if s.name == name)
-                spies.append(subprocess.Popen(["py-spy", "record", "-r", "500", "--threads", "--nonblocking", "-f", "raw", "-o",
+                spies.append(subprocess.Popen(["py-spy", "record", "-r", "500", "--threads", "--gil", "--nonblocking", "-f", "raw", "-o",
                                                f"{args.spy_out}.{args.tree_name}.{name}.txt", "-p", str(pid)],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             if spies:
                 time.sleep(1.0)
-            b = cpu_by_service(mesh)
+            url = mesh.metrics_urls()["llm"]
+            b, cb = cpu_by_service(mesh), counters(url)
             r = asyncio.run(mstar_level(address, args.streams, args.max_tokens))
-            a = cpu_by_service(mesh)
+            a, ca = cpu_by_service(mesh), counters(url)
             for spy in spies:
                 spy.send_signal(2)
                 spy.wait()
@@ -181,7 +203,8 @@ def run_tree(args) -> list[dict]:
             rows.append({"tree": args.tree_name, "mstar_from": mstar.__file__, "streams": args.streams,
                          "tokens": tokens, "wall_s": round(r["wall_s"], 3), "tokens_per_s": round(tokens / r["wall_s"]),
                          "stopped_early": r["stopped_early"], "ttfa_p50_s": round(r["ttfa_p50_s"], 3),
-                         "cpu_us_per_token": {**cpu, "total": round(sum(cpu.values()), 1)}})
+                         "cpu_us_per_token": {**cpu, "total": round(sum(cpu.values()), 1)},
+                         "llm_group_counts": {k: ca[k] - cb.get(k, 0.0) for k in ca}})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         mesh.stop()
