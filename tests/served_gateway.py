@@ -21,8 +21,11 @@ from inprocess import inprocess_mesh
 
 
 class ServedGateway:
-    def __init__(self, config, cache_dir: str | None = None, **app_kw):
+    def __init__(self, config, cache_dir: str | None = None, conductor_kw: dict | None = None, **app_kw):
+        """``conductor_kw``: the conductor's own settings (api_keys, per_key_max_inflight); ``app_kw``: the
+        gateway's (create_app)."""
         self.config, self.cache_dir, self.app_kw = config, cache_dir, app_kw
+        self.conductor_kw = conductor_kw or {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.url = ""
@@ -48,7 +51,7 @@ class ServedGateway:
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop).result(timeout + 5)
 
     async def _up(self) -> None:
-        self._mesh_cm = inprocess_mesh(self.config, cache_dir=self.cache_dir)
+        self._mesh_cm = inprocess_mesh(self.config, cache_dir=self.cache_dir, **self.conductor_kw)
         self.mesh = await self._mesh_cm.__aenter__()
         self.runner = web.AppRunner(create_app(self.mesh.address, **self.app_kw), handler_cancellation=True)
         await self.runner.setup()
