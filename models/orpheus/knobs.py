@@ -32,8 +32,8 @@ class OrpheusConfig(Knobs):
     snac: str = Field(DEFAULT_SNAC, description="the SNAC 24 kHz decoder's checkpoint")
     # the SNAC decoder
     snac_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the codec's dtype; auto: bfloat16 on CUDA (within the README's 30 dB SNR bar of "
-                            "the float32 reference), float32 elsewhere, as the reference")
+        "auto", description="the codec's dtype; auto: bfloat16 on CUDA (within 30 dB SNR of the float32 reference: "
+                            "the bar in docs/models/orpheus.md), float32 elsewhere, as the reference")
     snac_kernels: Literal["auto", "triton", "torch"] = Field(
         "auto", description="auto: the fused Triton decode on CUDA, the module decoder elsewhere")
     snac_noise: bool = Field(True, description="SNAC's decoder adds Gaussian noise each decode, as the reference")

@@ -7,7 +7,7 @@ is ``[slots + 1, max_len, kv_heads, head_dim]``: the paged layout with one page 
 a slot, so a decode on a GPU attends each row's keys where they lie (the engines' Triton decode
 kernel, ``attn_triton.py``) instead of gathering them.
 This is the shape the repo's paged ``KVCacheEngine`` does not yet take for these models (M-RoPE
-positions, prompt embeddings, MoE layers, captured hidden states): see the model's README section.
+positions, prompt embeddings, MoE layers, captured hidden states): see docs/models/qwen3_omni.md.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    try:  # its ADS port stays plaintext beside Envoy (README: Security); TLS is for health checks of node groups
+    try:  # its ADS port stays plaintext beside Envoy (docs/security.md); TLS is for health checks of node groups
         tls = mtls.from_args(args, {}, "xds control plane", required=False)
     except mtls.TLSError as e:
         log.error("%s", e)
