@@ -44,7 +44,7 @@ from mstar.models.orpheus.snac_config import SnacConfig
 SNAC_24K = SnacConfig(sampling_rate=24000, encoder_dim=48, encoder_rates=(2, 4, 8, 8), decoder_dim=1024,
                       decoder_rates=(8, 8, 4, 2), attn_window_size=None, codebook_size=4096, codebook_dim=8,
                       vq_strides=(4, 2, 1), noise=True, depthwise=True)
-#: the stated fidelity bar (README): a candidate's audio within 30 dB SNR of the float32 reference's,
+#: the stated fidelity bar (docs/models/orpheus.md): a candidate's audio within 30 dB SNR of the float32 reference's,
 #: i.e. its error carries at most 0.1% of the signal's energy
 BAR_DB = 30.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -64,7 +64,7 @@ class NodeGroupRuntime:
         self.schedule = Schedule(self.router, self.submodules)
         self.requests = Requests(group)
         self.released = self.requests.released
-        #: back-to-back rounds before arriving frames get in (README, "Round budget"); groups with
+        #: back-to-back rounds before arriving frames get in (docs/serving.md, "Round budget"); groups with
         #: engines yield every round: a finished engine step is seen only when the loop runs
         self.round_budget_s = 0.0 if self.engines else settings().round_budget_s
         self.steps = 0  # batches executed
