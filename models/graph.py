@@ -31,7 +31,9 @@ EMIT_TO_CONDUCTOR = "<conductor>"
 
 
 class EngineType(enum.Enum):
-    """Which engine of the node-group service executes a node."""
+    """Which engine of the node-group service executes a node. ``KV_CACHE``: the node keeps each
+    request's state (its K/V cache) in its group's engine between walks; placement then refuses to
+    split its walks over groups unless the later ones receive that state (a K/V hand-off)."""
 
     STATELESS = "stateless"
     KV_CACHE = "kv_cache"

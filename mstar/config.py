@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from mstar.models.base import Model
-from mstar.models.graph import INPUT
+from mstar.models.graph import INPUT, EngineType
 from mstar.models.plan import EdgeKind
 
 
@@ -134,6 +134,7 @@ class Placement:
                 _expect(len(hosts) == 1, f"walk '{walk}': node '{node}' is placed in several groups {hosts}; restrict them with graph_walks")
                 self._host[(walk, node)] = hosts[0]
         self._check_streams_and_loops()
+        self._check_stateful_nodes()
 
     def host(self, walk: str, node: str) -> str:
         return self._host[(walk, node)]
@@ -174,3 +175,47 @@ class Placement:
                     fed = any(p.kind is EdgeKind.DIRECT and p.edge.src in lp.nodes for p in plan.nodes[n].in_edges)
                     _expect(fed, f"walk '{walk}': loop node '{n}' runs in group '{self.host(walk, n)}', away from the loop's owner '{owner}', "
                                  f"but takes no same-iteration input from another loop node; place it with '{owner}'")
+
+    def _check_stateful_nodes(self) -> None:
+        """A node that keeps per-request state in its engine between walks (``EngineType.KV_CACHE``: its
+        K/V caches) reads, in each walk, what its earlier walks of the request left in *its own group's*
+        engine. Served on several groups (``graph_walks``), the group of its first walk (the model's walk
+        order: prefill before decode) holds that state; a walk hosted anywhere else would start from
+        nothing (BAGEL's ``decode`` away from its prefills answered every prompt alike) unless the state
+        is handed over: an INPUT edge into the node (``once=True`` inside a Loop) whose name the node
+        persists into itself in a walk on another group (Orpheus' ``kv``, BAGEL's ``ctx_kv``)."""
+        for node in self.model.nodes:
+            if node.engine is not EngineType.KV_CACHE:
+                continue
+            walks = [w for w, plan in self.model.plans.items() if node.name in plan.nodes]
+            by_group: dict[str, list[str]] = {}
+            for w in walks:
+                by_group.setdefault(self.host(w, node.name), []).append(w)
+            if len(by_group) < 2:
+                continue
+            home = self.host(walks[0], node.name)
+            for w in walks:
+                group = self.host(w, node.name)
+                if group == home or self._handed_over(w, node.name, group):
+                    continue
+                where = "; ".join(f"group '{g}': {', '.join(ws)}" for g, ws in by_group.items())
+                raise ConfigError(
+                    f"node '{node.name}' keeps per-request state (its K/V cache) between walks, and its walks are "
+                    f"split over node groups ({where}): walk '{w}' on group '{group}' would start without the state its "
+                    f"walks keep in the engine of group '{home}', and serve wrong output. "
+                    f"Place walk '{w}' on group '{home}' with them (graph_walks), or give walk '{w}' a K/V hand-off: "
+                    f"a GraphEdge(INPUT, '{node.name}', <name>, once=True) that a walk on group '{home}' persists with "
+                    f"GraphEdge('{node.name}', '{node.name}', <name>, persist=True), as Orpheus' prefill and decode "
+                    f"walks do (models/orpheus/configs/pd_disaggregated.yaml)")
+
+    def _handed_over(self, walk: str, node: str, group: str) -> bool:
+        """``walk`` reads ``node``'s state from another group: an INPUT edge into ``node`` whose name
+        ``node`` persists into itself in a walk hosted on a group other than ``group``."""
+        plan = self.model.plans[walk]
+        in_loop = plan.nodes[node].loop is not None
+        names = {e.name for e in plan.walk.edges if e.src == INPUT and e.dst == node and (e.once or not in_loop)}
+        for other, p in self.model.plans.items():
+            if node in p.nodes and self.host(other, node) != group and any(
+                    e.persist and e.src == node and e.dst == node and e.name in names for e in p.walk.edges):
+                return True
+        return False

@@ -44,6 +44,7 @@ from mstar.models.base import (
 from mstar.models.graph import (
     EMIT_TO_CLIENT,
     INPUT,
+    EngineType,
     GraphEdge,
     GraphNode,
     Loop,
@@ -68,8 +69,11 @@ class BagelModel(Model):
     name = "bagel"
     config_schema = BagelSettings
     request_schema = BagelRequest
-    nodes = (GraphNode("vit_encoder"), GraphNode("vae_encoder"), GraphNode("vae_decoder"), GraphNode("llm"),
-             GraphNode("llm_cfg_text"), GraphNode("llm_cfg_img"), GraphNode("combine_cfg"))
+    # the LLM nodes keep each request's context K/V in the group's engine between walks (KV_CACHE): a
+    # walk of theirs placed on another group than the prefills must receive it (export_kv's hand-off)
+    nodes = (GraphNode("vit_encoder"), GraphNode("vae_encoder"), GraphNode("vae_decoder"),
+             GraphNode("llm", EngineType.KV_CACHE), GraphNode("llm_cfg_text", EngineType.KV_CACHE),
+             GraphNode("llm_cfg_img", EngineType.KV_CACHE), GraphNode("combine_cfg"))
 
     def __init__(self, model_kwargs: dict[str, Any] | None = None, cache_dir: str | None = None):
         self.settings = Settings.from_kwargs(dict(model_kwargs or {}))
