@@ -128,6 +128,7 @@ class Mesh:
         self.internal_address = f"{h}:{free_port(h)}"  # internal: WalkEvents (node groups)
         self.api_keys = auth.ApiKeys.load(opts.api_keys_file)  # checked here: a bad file stops the launch now
         self.tls, tls_args = self._tls(opts, [h, th])
+        self._tls_by_pipe = self.tls is not None and not tls_args  # made in memory: handed over at start
         mtls.check_binds(self.tls, {**{f"node group '{g}'": a for g, a in groups.items()},
                                     "conductor internal port": self.internal_address}, "mstar serve")
         key_args = ["--api-keys-file", opts.api_keys_file] if opts.api_keys_file else []
@@ -249,7 +250,7 @@ class Mesh:
 
     def _popen(self, s: Service, env: dict[str, str]) -> subprocess.Popen:
         """Start ``s``; one that takes the mesh's TLS made in memory reads it from a pipe (``--tls-fd``)."""
-        if not (s.takes_tls and self.tls is not None and self.opts.tls_dir in (None, "auto")):
+        if not (s.takes_tls and self._tls_by_pipe):
             return subprocess.Popen(s.argv, env=env, stdin=subprocess.DEVNULL)
         r, w = os.pipe()
         try:

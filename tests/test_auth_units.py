@@ -58,3 +58,38 @@ def test_plaintext_internal_grpc_only_on_loopback(tmp_path, caplog):
     with pytest.raises(mtls.TLSError, match="missing cert.pem"):
         (tmp_path / "tls" / "cert.pem").unlink()
         mtls.TLSSettings.from_dir(tmp_path / "tls")
+
+
+def _pipe_with(data: bytes) -> int:
+    import os
+
+    r, w = os.pipe()
+    os.write(w, data)
+    os.close(w)
+    return r
+
+
+def test_the_launchers_tls_pipe_and_its_refusals(tmp_path):
+    """--tls-fd: the bundle a launcher writes comes back whole, and the pipe is closed; anything
+    else is refused naming the flag. A service given two TLS choices, or none, is refused too."""
+    import argparse
+    import os
+
+    made = mtls.TLSSettings.in_memory(["10.0.0.7"])
+    fd = _pipe_with(made.to_bundle())
+    got = mtls.TLSSettings.from_fd(fd)
+    assert (got.ca, got.cert, got.key) == (made.ca, made.cert, made.key)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # read to its end and closed
+    with pytest.raises(mtls.TLSError, match=r"--tls-fd \d+: not a TLS bundle"):
+        mtls.TLSSettings.from_fd(_pipe_with(b'{"ca": "x"}'))
+    with pytest.raises(mtls.TLSError, match=r"--tls-fd 12345: cannot read it"):
+        mtls.TLSSettings.from_fd(12345)
+    p = argparse.ArgumentParser()
+    mtls.add_args(p)
+    both = p.parse_args(["--tls-dir", str(tmp_path), "--insecure-internal"])
+    with pytest.raises(mtls.TLSError, match="--tls-dir and --insecure-internal exclude each other"):
+        mtls.from_args(both, {}, "svc")
+    with pytest.raises(mtls.TLSError, match="svc: internal gRPC needs mutual TLS"):
+        mtls.from_args(p.parse_args([]), {}, "svc")
+    assert mtls.from_args(p.parse_args([]), {}, "xds", required=False) is None
