@@ -37,7 +37,8 @@ def fire(model, router, schedule, req, out, stop=None, handed=None):
                             inst.chunk)
             outputs = sub.forward([call])[0]
             decides = router.fired(inst, node, call, outputs)
-            router.after_fire(req, inst, node, call, outputs, decides and (stop or sub.check_stop)(call, outputs), out)
+            router.after_fire(req, inst, node, call, outputs,
+                              (stop or sub.check_stop)(call, outputs) if decides else None, out)
             out.append(Advance(inst))
             fired.append((node, p.iteration))
         drain(schedule, req, out, handed)

@@ -197,13 +197,14 @@ class Router:
         return lp is not None and lp.stop_node == node and lp.name in inst.owner_loops
 
     def after_fire(self, req: RequestCtx, inst: WalkInstance, node: str, call: NodeCall, outputs: dict,
-                   stop: bool, out: Out) -> None:
-        """After ``fired``: decide the loop (``stop``: the model's answer, where ``fired`` asked for
-        it), route every value."""
+                   stop: bool | None, out: Out) -> None:
+        """After ``fired``: decide the loop (``stop``: the model's answer where ``fired`` said this
+        call decides it, None where it does not), route every value."""
         it = call.iteration
         node_plan = inst.plan.nodes[node]
         lp = node_plan.loop
-        if lp is not None and lp.stop_node == node and lp.name in inst.owner_loops:
+        if stop is not None:
+            assert lp is not None  # fired() said this call decides its loop
             if stop or it + 1 >= lp.max_iters:
                 inst.end_loop(lp.name, it)
                 for peer in self.loop_peers[(inst.walk, lp.name)]:

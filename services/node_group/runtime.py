@@ -206,7 +206,7 @@ class NodeGroupRuntime:
                 if whole:
                     self.router.after_loop(req, inst, node, outputs, out)
                 else:  # the loop's stop, where this call decides it, is the model's answer
-                    stop = self.router.fired(inst, node, call, outputs) and bool(sub.check_stop(call, outputs))
+                    stop = bool(sub.check_stop(call, outputs)) if self.router.fired(inst, node, call, outputs) else None
                     self.router.after_fire(req, inst, node, call, outputs, stop, out)
                 out.append(Advance(inst))
                 self._apply(req, out)
