@@ -19,13 +19,13 @@ from mstar.limits import MAX_JSON_DEPTH, MAX_JSON_VALUES, MIN_TIMEOUT_S
 
 #: longest integer literal, in digits (2**64 has 20; Python refuses to convert past 4,300)
 MAX_INT_DIGITS = 32
-#: a request id: what clients use (UUIDs, ULIDs, "req-42", "trace/span"), nothing that could end or
-#: split an HTTP header (the gateway answers it in X-Request-Id)
 _HUGE = 10**MAX_INT_DIGITS
 # json's pure-Python scanner and the parts it is built of (typeshed's stubs leave them out)
 _WHITESPACE = decoder.WHITESPACE  # type: ignore[attr-defined]
 _scanstring = decoder.scanstring  # type: ignore[attr-defined]
 _py_make_scanner = scanner.py_make_scanner  # type: ignore[attr-defined]
+#: a request id: what clients use (UUIDs, ULIDs, "req-42", "trace/span"), nothing that could end or
+#: split an HTTP header (the gateway answers it in X-Request-Id)
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@~-]{1,128}")
 REQUEST_ID_RULE = "1-128 characters among letters, digits and . _ : / + = @ ~ -"
 
@@ -51,16 +51,16 @@ def _bounded_int(text: str) -> int | _HugeInt:
     return _HugeInt(digits) if digits > MAX_INT_DIGITS else int(text)
 
 
-def loads(raw: str | bytes, max_values: int = MAX_JSON_VALUES) -> object:
+def loads(raw: str | bytes) -> object:
     """``json.loads`` for a client's document: an Untrusted error (never RecursionError, a
     ValueError from a huge integer, a NaN/Infinity/overflowing number or a string that cannot be
     sent on as UTF-8), naming where in the document the value is. A document of more than
-    ``max_values`` values is refused as it is read, before it costs their memory."""
+    ``MAX_JSON_VALUES`` values is refused as it is read, before it costs their memory."""
     try:
-        if _most_values(raw) <= max_values:  # C's parser, which cannot pass the bound
+        if _most_values(raw) <= MAX_JSON_VALUES:  # C's parser, which cannot pass the bound
             value = _c_loads(raw)  # NaN, Infinity and 1e400 parse to floats: refused below
         else:
-            value = _Bounded(max_values).loads(raw.decode(json.detect_encoding(raw), "surrogatepass")
+            value = _Bounded(MAX_JSON_VALUES).loads(raw.decode(json.detect_encoding(raw), "surrogatepass")
                                                if isinstance(raw, bytes) else raw)
     except RecursionError:
         raise Untrusted(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
@@ -77,7 +77,9 @@ def _c_loads(raw: str | bytes) -> object:
     Python to convert (4,300 digits) fails the parse, and the second parse finds where it is."""
     try:
         return json.loads(raw)
-    except ValueError:  # that, or malformed JSON, which fails the same way again
+    except json.JSONDecodeError:  # malformed: a second parse would fail the same way
+        raise
+    except ValueError:  # an integer past Python's 4,300 digits
         return json.loads(raw, parse_int=_bounded_int)
 
 

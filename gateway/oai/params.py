@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from mstar.gateway.body import json_type
 from mstar.gateway.errors import ApiError, bad_request
+from mstar.gateway.json_bounds import json_type
 
 #: JSON kinds: (name for messages, isinstance check)
 STRING = ("a string", lambda v: isinstance(v, str))
