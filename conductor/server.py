@@ -33,7 +33,7 @@ from mstar.models.base import InvalidArgument, Prompt, RequestState
 from mstar.models.registry import create_model
 from mstar.services.grpc_checked import add_checked
 from mstar.services.grpc_server import ServerBase, run_service
-from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
+from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, start_transport
 from mstar.services.transport.location import local_location
 from mstar.v1 import conductor_pb2 as cpb
 from mstar.v1 import conductor_pb2_grpc, node_group_pb2
@@ -369,12 +369,7 @@ async def serve(args: argparse.Namespace) -> None:
     for g in placement.config.group_names:
         if not groups.setdefault(g, []):
             log.warning("node group '%s' has no replica yet: requests fail UNAVAILABLE until one joins", g)
-    try:
-        protocol = parse_protocol(args.tensor_comm_protocol)
-        configure_service(args.address, protocol)
-    except ValueError as e:  # a protocol this service cannot use: one line saying why, and no serving
-        log.error("conductor: %s", e)
-        raise SystemExit(2) from None
+    protocol = start_transport(args.address, args.tensor_comm_protocol, "conductor")
     table = RequestTable(model, placement, Replicas(groups, tls=tls), protocol, tls=tls)
     server, port = create_server(args.address, table, max_inflight=args.max_inflight, default_timeout_s=args.request_timeout,
                                  probe_interval_s=args.probe_interval, internal_address=args.internal_address, tls=tls,

@@ -80,8 +80,8 @@ class Engine(Protocol[WorkT]):
         """Why the engine can no longer step (its process died), else None."""
 
 
-#: the members an engine must have, in the order a missing one is named
-ENGINE_MEMBERS: tuple[str, ...] = ("submit", "release", "step", "has_work", "close", "exit_reason")
+#: the members an engine must have (the protocol's abstract ones), in the order a missing one is named
+ENGINE_MEMBERS: tuple[str, ...] = tuple(sorted(Engine.__abstractmethods__))
 
 
 def check_engine(engine: object, node: str) -> Engine[Any]:

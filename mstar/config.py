@@ -194,19 +194,19 @@ class Placement:
             if len(by_group) < 2:
                 continue
             home = self.host(walks[0], node.name)
-            for w in walks:
-                group = self.host(w, node.name)
-                if group == home or self._handed_over(w, node.name, group):
-                    continue
-                where = "; ".join(f"group '{g}': {', '.join(ws)}" for g, ws in by_group.items())
-                raise ConfigError(
-                    f"node '{node.name}' keeps per-request state (its K/V cache) between walks, and its walks are "
-                    f"split over node groups ({where}): walk '{w}' on group '{group}' would start without the state its "
-                    f"walks keep in the engine of group '{home}', and serve wrong output. "
-                    f"Place walk '{w}' on group '{home}' with them (graph_walks), or give walk '{w}' a K/V hand-off: "
-                    f"a GraphEdge(INPUT, '{node.name}', <name>, once=True) that a walk on group '{home}' persists with "
-                    f"GraphEdge('{node.name}', '{node.name}', <name>, persist=True), as Orpheus' prefill and decode "
-                    f"walks do (models/orpheus/configs/pd_disaggregated.yaml)")
+            for group, ws in by_group.items():
+                for w in ws:
+                    if group == home or self._handed_over(w, node.name, group):
+                        continue
+                    where = "; ".join(f"group '{g}': {', '.join(gw)}" for g, gw in by_group.items())
+                    raise ConfigError(
+                        f"node '{node.name}' keeps per-request state (its K/V cache) between walks, and its walks are "
+                        f"split over node groups ({where}): walk '{w}' on group '{group}' would start without the state its "
+                        f"walks keep in the engine of group '{home}', and serve wrong output. "
+                        f"Place walk '{w}' on group '{home}' with them (graph_walks), or give walk '{w}' a K/V hand-off: "
+                        f"a GraphEdge(INPUT, '{node.name}', <name>, once=True) that a walk on group '{home}' persists with "
+                        f"GraphEdge('{node.name}', '{node.name}', <name>, persist=True), as Orpheus' prefill and decode "
+                        f"walks do (models/orpheus/configs/pd_disaggregated.yaml)")
 
     def _handed_over(self, walk: str, node: str, group: str) -> bool:
         """``walk`` reads ``node``'s state from another group: an INPUT edge into ``node`` whose name

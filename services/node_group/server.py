@@ -23,7 +23,7 @@ from mstar.services.grpc_checked import add_checked
 from mstar.services.grpc_server import ServerBase, run_service
 from mstar.services.node_group.nodes import create_submodules
 from mstar.services.node_group.runtime import NodeGroupRuntime
-from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, configure_service, parse_protocol
+from mstar.services.transport import PROTOCOL_HELP, TensorReceiver, start_transport
 from mstar.v1 import conductor_pb2, conductor_pb2_grpc, node_group_pb2, node_group_pb2_grpc
 
 log = logging.getLogger("mstar.node_group")
@@ -231,12 +231,7 @@ async def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config)
     model = create_model(config.model, config.model_kwargs, args.cache_dir)
     placement = Placement(config, model)
-    try:
-        protocol = parse_protocol(args.tensor_comm_protocol)
-        configure_service(args.address, protocol)
-    except ValueError as e:  # a protocol this service cannot use: one line saying why, and no serving
-        log.error("node group '%s': %s", args.group, e)
-        raise SystemExit(2) from None
+    protocol = start_transport(args.address, args.tensor_comm_protocol, f"node group '{args.group}'")
     size = config.group(args.group).tp_size
     followers = Followers(args, size) if size > 1 else None
     try:

@@ -21,7 +21,8 @@ from mstar.services.transport.base import (
     TransportUnavailable,
     configure_service,
     parse_protocol,
+    start_transport,
 )
 
 __all__ = ["PROTOCOL_HELP", "LinkSender", "Protocol", "TensorReceiver", "TensorSender", "TransportUnavailable",
-           "configure_service", "parse_protocol"]
+           "configure_service", "parse_protocol", "start_transport"]

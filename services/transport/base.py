@@ -108,6 +108,18 @@ def configure_service(address: str, protocol: Protocol) -> None:
         mooncake.configure(host)
 
 
+def start_transport(address: str, value: str, who: str) -> Protocol:
+    """A service's ``--tensor-comm-protocol``, parsed and set up (``configure_service``); one it
+    cannot use is one ERROR line naming ``who`` and why, and exit code 2: it must not serve."""
+    try:
+        protocol = parse_protocol(value)
+        configure_service(address, protocol)
+    except ValueError as e:
+        log.error("%s: %s", who, e)
+        raise SystemExit(2) from None
+    return protocol
+
+
 class TensorSender:
     """Inline encoding, and the interface of the pooled transports."""
 
